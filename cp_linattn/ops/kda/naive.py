@@ -1,0 +1,117 @@
+"""fp32 token-by-token reference for Kimi Delta Attention and its gates.
+
+`S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T`, `o_t = scale * S_t^T q_t`,
+with per-channel log gates g. GVA: v, g, beta carry HV heads, q/k carry H heads and value
+head j reads q/k head j // (HV / H).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, join_sequence_outputs, sequence_spans
+
+
+def _check_gate_params(g: torch.Tensor, A_log, dt_bias) -> None:
+    check_tensor("g", g, ndim=None)
+    if g.dim() < 2:
+        raise ValueError(f"g must be [..., HV, K], got shape {list(g.shape)}")
+    HV, K = g.shape[-2:]
+    if A_log is not None:
+        check_tensor("A_log", A_log, device=g.device)
+        if A_log.numel() != HV:
+            raise ValueError(f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}")
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, device=g.device)
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got shape {list(dt_bias.shape)}")
+
+
+def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`-exp(A_log) * softplus(g + dt_bias)` in fp32.
+
+    g: `[..., HV, K]`; A_log: `[HV]`; dt_bias: `[HV * K]` (or `[HV, K]`). Returns fp32 `[..., HV, K]`.
+    """
+    _check_gate_params(g, A_log, dt_bias)
+    HV, K = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(HV, K)
+    return -A_log.float().view(HV, 1).exp() * F.softplus(x)
+
+
+def kda_lower_bound_gate(
+    g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None = None, lower_bound: float = -5.0
+) -> torch.Tensor:
+    """Safe gate `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, bounded in `(lower_bound, 0)`.
+
+    Without A_log: `lower_bound * sigmoid(g + dt_bias)`. Shapes as in `kda_gate`; fp32 result.
+    """
+    _check_gate_params(g, A_log, dt_bias)
+    if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool) or not lower_bound < 0:
+        raise ValueError(f"lower_bound must be a negative number, got {lower_bound!r}")
+    HV, K = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(HV, K)
+    if A_log is not None:
+        x = A_log.float().view(HV, 1).exp() * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` over the last dim, in fp32, cast back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference KDA (gates already in log space; see `kda_gate` for the in-kernel gate).
+
+    Args:
+        q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]`; beta: `[B, T, HV]`.
+        initial_state: `[N, HV, K, V]` (or `[N, HV, V, K]` with `state_v_first`).
+        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+
+    Returns:
+        o `[B, T, HV, V]` in v's dtype, and the fp32 final state (same layout as
+        initial_state) or None.
+    """
+    dims = check_inputs(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, allow_gva=True, state_v_first=state_v_first
+    )
+    scale = check_scale(scale, dims.K)
+    out_dtype = v.dtype
+    G = dims.HV // dims.H
+    q, k = (x.float().repeat_interleave(G, dim=2) for x in (q, k))
+    v, g, beta = (x.float() for x in (v, g, beta))
+    outs, finals = [], []
+    for n, (b, start, end) in enumerate(sequence_spans(dims)):
+        if initial_state is None:
+            S = q.new_zeros(dims.HV, dims.K, dims.V)
+        else:
+            S = initial_state[n].float()
+            S = S.transpose(-1, -2) if state_v_first else S
+        o_seq = [q.new_zeros(0, dims.HV, dims.V)]
+        for t in range(start, end):
+            S = S * g[b, t].exp()[..., None]
+            k_t = k[b, t]
+            # delta rule: move the value stored under k_t towards v_t by a step beta_t
+            residual = v[b, t] - torch.einsum("hk,hkv->hv", k_t, S)
+            S = S + beta[b, t][:, None, None] * k_t[..., None] * residual[:, None, :]
+            o_seq.append(scale * torch.einsum("hk,hkv->hv", q[b, t], S)[None])
+        outs.append(torch.cat(o_seq))
+        finals.append(S.transpose(-1, -2) if state_v_first else S)
+    o = join_sequence_outputs(outs, dims).to(out_dtype)
+    return o, (torch.stack(finals) if output_final_state else None)

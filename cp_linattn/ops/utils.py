@@ -1,0 +1,193 @@
+"""Input validation and varlen bookkeeping shared by every public op.
+
+Every public op validates its arguments here *before* launching a kernel or joining a
+collective, so a bad call fails with a message that names the argument, the expected
+value and the actual one, identically on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    x,
+    *,
+    ndim: int | None = None,
+    shape: tuple | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = FLOAT_DTYPES,
+    device: torch.device | None = None,
+) -> None:
+    """Raise TypeError/ValueError unless `x` is a tensor of the given rank, shape, dtype, device.
+
+    `shape` entries may be None to accept any size along that dimension.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None and x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(x.dtype).replace('torch.', '')}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {x.dim()}-D with shape {_fmt_shape(x.shape)}")
+    if shape is not None:
+        want = _fmt_shape("*" if s is None else s for s in shape)
+        if x.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, x.shape)):
+            raise ValueError(f"{name} must have shape {want}, got {_fmt_shape(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on device {device} (the device of q), got {x.device}")
+
+
+def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Validate packed-varlen offsets and return them as a CPU int64 tensor.
+
+    cu_seqlens: int64 `[N + 1]`, starting at 0, non-decreasing, ending at T; requires B == 1.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int64:
+        raise TypeError(f"cu_seqlens must have dtype int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {_fmt_shape(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on device {device} (the device of q), got {cu_seqlens.device}")
+    if batch_size != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (a packed batch), got B={batch_size}")
+    cpu = cu_seqlens.detach().cpu()
+    if int(cpu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
+    if bool((cpu[1:] < cpu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cpu.tolist()}")
+    if int(cpu[-1]) != seq_len:
+        raise ValueError(f"cu_seqlens must end at T={seq_len} (the packed length), got {int(cpu[-1])}")
+    return cpu
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """Default scale is K ** -0.5; an explicit scale must be a positive finite number."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (scale > 0 and scale != float("inf")):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return float(scale)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of a validated call: q/k `[B, T, H, K]`, v `[B, T, HV, V]`, N sequences."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+    cu_seqlens_cpu: torch.Tensor | None
+
+
+def check_inputs(
+    q,
+    k,
+    v,
+    g,
+    beta=None,
+    *,
+    initial_state=None,
+    cu_seqlens=None,
+    allow_gva: bool = False,
+    state_v_first: bool = False,
+    g_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> Dims:
+    """Validate the inputs of a gated linear-attention op.
+
+    q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]`; beta (KDA): `[B, T, HV]`;
+    initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), any float dtype.
+    HV == H unless `allow_gva`, in which case HV must be a multiple of H.
+    """
+    check_tensor("q", q, ndim=4)
+    B, T, H, K = q.shape
+    dev = q.device
+    check_tensor("k", k, shape=(B, T, H, K), device=dev)
+    check_tensor("v", v, ndim=4, device=dev)
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must have shape [{B}, {T}, HV, V] (B, T of q), got {_fmt_shape(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if allow_gva:
+        if HV % H != 0:
+            raise ValueError(f"the number of value heads HV={HV} (v.shape[2]) must be a multiple of H={H} (q.shape[2])")
+    elif HV != H:
+        raise ValueError(f"v must have H={H} heads like q, got {HV} (v.shape={_fmt_shape(v.shape)})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if min(K, V) < 1:
+        raise ValueError(f"head dims must be positive, got K={K}, V={V}")
+    check_tensor("g", g, shape=(B, T, HV, K), device=dev, dtypes=g_dtypes)
+    if beta is not None:
+        check_tensor("beta", beta, shape=(B, T, HV), device=dev)
+    cu_cpu = None
+    if cu_seqlens is not None:
+        cu_cpu = check_cu_seqlens(cu_seqlens, batch_size=B, seq_len=T, device=dev)
+        N = cu_cpu.numel() - 1
+    else:
+        N = B
+    if initial_state is not None:
+        state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        check_tensor("initial_state", initial_state, shape=state_shape, device=dev)
+    return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_cpu=cu_cpu)
+
+
+def check_option(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Varlen chunk bookkeeping (host side; the result is moved to the compute device once).
+
+
+def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sequence lengths `[N]` from offsets `[N + 1]`."""
+    return cu_seqlens[1:] - cu_seqlens[:-1]
+
+
+def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Offsets `[N + 1]` of each sequence's first chunk in the list of all chunks."""
+    n_chunks = (prepare_lens(cu_seqlens) + chunk_size - 1) // chunk_size
+    return torch.cat([cu_seqlens.new_zeros(1), n_chunks.cumsum(0)])
+
+
+def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """`[NT, 2]` int32 table: for every chunk of the packed batch, (sequence id, chunk id in it).
+
+    Chunks never cross a sequence boundary; empty sequences own no chunk.
+    """
+    n_chunks = ((prepare_lens(cu_seqlens) + chunk_size - 1) // chunk_size).tolist()
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks)), torch.tensor(n_chunks, dtype=torch.long))
+    first = torch.cumsum(torch.tensor([0] + n_chunks[:-1], dtype=torch.long), 0)
+    local = torch.arange(seq.numel()) - first[seq]
+    return torch.stack([seq, local], 1).to(device=cu_seqlens.device, dtype=torch.int32)
+
+
+def sequence_spans(dims: Dims) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of each sequence, in the order of the state tensor's N axis."""
+    if dims.cu_seqlens_cpu is None:
+        return [(b, 0, dims.T) for b in range(dims.B)]
+    cu = dims.cu_seqlens_cpu.tolist()
+    return [(0, cu[i], cu[i + 1]) for i in range(dims.N)]
+
+
+def join_sequence_outputs(per_sequence: list[torch.Tensor], dims: Dims) -> torch.Tensor:
+    """Inverse of `sequence_spans`: `[L_n, ...]` pieces back to `[B, T, ...]`."""
+    if dims.cu_seqlens_cpu is None:
+        return torch.stack(per_sequence)
+    return torch.cat(per_sequence, 0)[None]
