@@ -1,0 +1,76 @@
+"""Chunk-local cumulative sums of log gates (forward and reverse), varlen aware."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.utils import prepare_chunk_indices
+
+
+@triton.jit
+def chunk_local_cumsum_kernel(
+    x,
+    y,
+    cu_seqlens,
+    chunk_indices,
+    T,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    REVERSE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """y[t] = sum of x over the chunk of t up to t (or from t to the chunk end if REVERSE).
+
+    x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H).
+    """
+    i_d, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        T = eos - bos
+    else:
+        bos = i_b * T
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m = (o_t[:, None] < T) & (o_d[None, :] < D)
+    offs = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
+    b_x = tl.load(x + offs, mask=m, other=0).to(tl.float32)
+    b_y = tl.cumsum(b_x, axis=0)
+    if REVERSE:
+        b_y = tl.sum(b_x, axis=0)[None, :] - b_y + b_x
+    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
+
+
+def chunk_local_cumsum(
+    x: torch.Tensor,
+    chunk_size: int,
+    reverse: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Cumulative sum of `x` `[B, T, H, D]` within each chunk of `chunk_size` tokens.
+
+    Chunks restart at every sequence start of a packed batch (`cu_seqlens`). Accumulates in
+    fp32; returns `output_dtype` (fp32 by default, which the chunked kernels expect).
+    """
+    B, T, H, D = x.shape
+    x = x.contiguous()
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    y = torch.empty_like(x, dtype=output_dtype)
+    BD = min(triton.next_power_of_2(D), 64)
+    grid = (triton.cdiv(D, BD), NT, B * H)
+    if NT > 0:
+        chunk_local_cumsum_kernel[grid](
+            x, y, cu_seqlens, chunk_indices, T,
+            H=H, D=D, BT=chunk_size, BD=BD, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
+        )
+    return y
