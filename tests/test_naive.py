@@ -1,0 +1,185 @@
+"""The fp32 references are the ground truth of every kernel test, so they are checked
+here against independent formulations: closed-form sums for GLA and explicit products of
+transition matrices for KDA, in float64."""
+import math
+
+import pytest
+import torch
+
+from cp_linattn.ops.gla.naive import naive_recurrent_gla
+from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
+
+
+def _gla_inputs(B, T, H, K, V, seed=0):
+    torch.manual_seed(seed)
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K))
+    return q, k, v, g
+
+
+def _gla_closed_form(q, k, v, g, scale, h0=None):
+    """o_t = scale * q_t^T (exp(G_t) * h0 + sum_{s<=t} exp(G_t - G_s) k_s v_s^T) in float64."""
+    q, k, v, g = (x.double() for x in (q, k, v, g))
+    G = g.cumsum(1)  # [B, T, H, K]
+    T = q.shape[1]
+    decay = (G[:, :, None] - G[:, None, :]).exp()  # [B, t, s, H, K]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    decay = decay * causal[None, :, :, None, None]
+    o = scale * torch.einsum("bthk,btshk,bshk,bshv->bthv", q, decay, k, v)
+    if h0 is not None:
+        o = o + scale * torch.einsum("bthk,bhkv->bthv", q * G.exp(), h0.double())
+    return o
+
+
+def test_gla_matches_closed_form_with_initial_state():
+    q, k, v, g = _gla_inputs(2, 13, 2, 5, 3)
+    h0 = torch.randn(2, 2, 5, 3)
+    o, ht = naive_recurrent_gla(q, k, v, g, scale=0.7, initial_state=h0, output_final_state=True)
+    ref = _gla_closed_form(q, k, v, g, 0.7, h0)
+    torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-5)
+    G = g.double().cumsum(1)
+    ht_ref = (G[:, -1:] - G).exp().mul(k.double()).transpose(1, 2).transpose(-1, -2) @ v.double().transpose(1, 2)
+    ht_ref = ht_ref + G[:, -1].exp()[..., None] * h0.double()
+    torch.testing.assert_close(ht.double(), ht_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gla_gradients_match_closed_form():
+    q, k, v, g = (x.requires_grad_() for x in _gla_inputs(1, 9, 2, 4, 3, seed=1))
+    do = torch.randn(1, 9, 2, 3)
+    o, _ = naive_recurrent_gla(q, k, v, g)
+    grads = torch.autograd.grad((o * do).sum(), (q, k, v, g))
+    ref = _gla_closed_form(q, k, v, g, 4 ** -0.5)
+    grads_ref = torch.autograd.grad((ref * do.double()).sum(), (q, k, v, g))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_gla_varlen_equals_separate_sequences():
+    q, k, v, g = _gla_inputs(1, 20, 2, 4, 3, seed=2)
+    cu = torch.tensor([0, 7, 7, 8, 20])
+    h0 = torch.randn(4, 2, 4, 3)
+    o, ht = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for n in range(4):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, ht_n = naive_recurrent_gla(
+            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], initial_state=h0[n:n + 1], output_final_state=True
+        ) if e > s else (o[:, s:e], h0[n:n + 1])
+        torch.testing.assert_close(o[:, s:e], o_n)
+        torch.testing.assert_close(ht[n:n + 1], ht_n)
+
+
+def test_gla_initial_state_chains():
+    q, k, v, g = _gla_inputs(2, 16, 1, 4, 4, seed=3)
+    o, ht = naive_recurrent_gla(q, k, v, g, output_final_state=True)
+    o1, h1 = naive_recurrent_gla(q[:, :6], k[:, :6], v[:, :6], g[:, :6], output_final_state=True)
+    o2, h2 = naive_recurrent_gla(q[:, 6:], k[:, 6:], v[:, 6:], g[:, 6:], initial_state=h1, output_final_state=True)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2, ht, rtol=1e-5, atol=1e-5)
+
+
+def _kda_inputs(B, T, H, HV, K, V, seed=0):
+    torch.manual_seed(seed)
+    q = l2norm(torch.randn(B, T, H, K))
+    k = l2norm(torch.randn(B, T, H, K))
+    v = torch.randn(B, T, HV, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K))
+    beta = torch.rand(B, T, HV)
+    return q, k, v, g, beta
+
+
+def _kda_by_transition_matrices(q, k, v, g, beta, scale, h0=None):
+    """S_t = A_t S_{t-1} + b_t k_t v_t^T with the explicit A_t = (I - b_t k_t k_t^T) Diag(exp g_t)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    rep = HV // H
+    q, k = (x.double().repeat_interleave(rep, 2) for x in (q, k))
+    v, g, beta = (x.double() for x in (v, g, beta))
+    eye = torch.eye(K, dtype=torch.float64)
+    S = torch.zeros(B, HV, K, v.shape[-1], dtype=torch.float64) if h0 is None else h0.double()
+    outs = []
+    for t in range(T):
+        kk = torch.einsum("bhi,bhj->bhij", k[:, t], k[:, t])
+        A = (eye - beta[:, t, :, None, None] * kk) @ torch.diag_embed(g[:, t].exp())
+        S = A @ S + beta[:, t, :, None, None] * torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+@pytest.mark.parametrize("H,HV", [(2, 2), (1, 3)])
+def test_kda_matches_transition_matrices(H, HV):
+    q, k, v, g, beta = _kda_inputs(2, 11, H, HV, 4, 3)
+    h0 = torch.randn(2, HV, 4, 3)
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, scale=0.9, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = _kda_by_transition_matrices(q, k, v, g, beta, 0.9, h0)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht.double(), ht_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kda_gradients_match_transition_matrices():
+    q, k, v, g, beta = (x.requires_grad_() for x in _kda_inputs(1, 7, 1, 2, 4, 3, seed=4))
+    h0 = torch.randn(1, 2, 4, 3, requires_grad=True)
+    do, dht = torch.randn(1, 7, 2, 3), torch.randn(1, 2, 4, 3)
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    inputs = (q, k, v, g, beta, h0)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), inputs)
+    o_ref, ht_ref = _kda_by_transition_matrices(q, k, v, g, beta, 0.5, h0)
+    grads_ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum(), inputs)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_kda_state_v_first_is_the_transpose():
+    q, k, v, g, beta = _kda_inputs(1, 9, 2, 2, 4, 3, seed=5)
+    h0 = torch.randn(1, 2, 4, 3)
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_t, ht_t = naive_recurrent_kda(
+        q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True, state_v_first=True
+    )
+    torch.testing.assert_close(o_t, o)
+    torch.testing.assert_close(ht_t, ht.transpose(-1, -2))
+
+
+def test_kda_varlen_and_chaining():
+    q, k, v, g, beta = _kda_inputs(1, 18, 1, 2, 4, 4, seed=6)
+    cu = torch.tensor([0, 5, 18])
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    for n in range(2):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, ht_n = naive_recurrent_kda(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], output_final_state=True)
+        torch.testing.assert_close(o[:, s:e], o_n)
+        torch.testing.assert_close(ht[n:n + 1], ht_n)
+    # [5:11] then [11:18] with the carried state equals [5:18]
+    sl = lambda a, b: tuple(x[:, a:b] for x in (q, k, v, g, beta))  # noqa: E731
+    o1, h1 = naive_recurrent_kda(*sl(5, 11), output_final_state=True)
+    o2, h2 = naive_recurrent_kda(*sl(11, 18), initial_state=h1, output_final_state=True)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o[:, 5:18], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2, ht[1:2], rtol=1e-5, atol=1e-5)
+
+
+def test_kda_gates():
+    torch.manual_seed(7)
+    g = torch.randn(2, 5, 3, 4)
+    A_log = torch.randn(3)
+    dt_bias = torch.randn(12)
+    out = kda_gate(g, A_log, dt_bias)
+    x = g + dt_bias.view(3, 4)
+    expected = -A_log.exp().view(3, 1) * torch.log1p(x.exp())
+    torch.testing.assert_close(out, expected)
+    lb = kda_lower_bound_gate(g, A_log, dt_bias, lower_bound=-5.0)
+    expected_lb = -5.0 / (1 + torch.exp(-A_log.exp().view(3, 1) * x))
+    torch.testing.assert_close(lb, expected_lb)
+    assert bool((lb > -5).all() and (lb < 0).all())
+    torch.testing.assert_close(kda_lower_bound_gate(g, None, None, -3.0), -3.0 * torch.sigmoid(g))
+    with pytest.raises(ValueError, match="A_log"):
+        kda_gate(g, torch.randn(4), dt_bias)
+    with pytest.raises(ValueError, match="dt_bias"):
+        kda_gate(g, A_log, torch.randn(5))
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_lower_bound_gate(g, A_log, dt_bias, lower_bound=1.0)
+
+
+def test_l2norm_unit_rows():
+    x = torch.randn(3, 7) * 5
+    assert torch.allclose(l2norm(x).norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert math.isclose(float(l2norm(torch.zeros(1, 4)).abs().sum()), 0.0)

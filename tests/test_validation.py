@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from cp_linattn.ops.gla.naive import naive_recurrent_gla
+from cp_linattn.ops.kda.naive import naive_recurrent_kda
+from cp_linattn.ops.utils import check_cu_seqlens, check_inputs, check_scale, prepare_chunk_indices, prepare_chunk_offsets
+
+
+def _qkvg(B=1, T=10, H=2, K=4, V=3, HV=None):
+    HV = H if HV is None else HV
+    return (torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V), -torch.rand(B, T, HV, K))
+
+
+def test_valid_inputs_report_dims():
+    q, k, v, g = _qkvg(HV=4)
+    dims = check_inputs(q, k, v, g, torch.rand(1, 10, 4), allow_gva=True, cu_seqlens=torch.tensor([0, 3, 10]))
+    assert (dims.B, dims.T, dims.H, dims.HV, dims.K, dims.V, dims.N) == (1, 10, 2, 4, 4, 3, 2)
+    assert dims.cu_seqlens_cpu.tolist() == [0, 3, 10]
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, pattern",
+    [
+        (lambda a: a.update(q=a["q"].tolist()), TypeError, r"q must be a torch.Tensor, got list"),
+        (lambda a: a.update(q=a["q"][0]), ValueError, r"q must be 4-D, got 3-D"),
+        (lambda a: a.update(q=a["q"].long()), TypeError, r"q must have dtype in .*got int64"),
+        (lambda a: a.update(k=a["k"][:, :9]), ValueError, r"k must have shape \[1, 10, 2, 4\], got \[1, 9, 2, 4\]"),
+        (lambda a: a.update(v=a["v"][:, :9]), ValueError, r"v must have shape \[1, 10, HV, V\]"),
+        (lambda a: a.update(v=torch.randn(1, 10, 3, 3)), ValueError, r"v must have H=2 heads like q, got 3"),
+        (lambda a: a.update(v=a["v"].half()), TypeError, r"q, k and v must share one dtype"),
+        (lambda a: a.update(g=a["g"][..., :3]), ValueError, r"g must have shape \[1, 10, 2, 4\], got \[1, 10, 2, 3\]"),
+        (lambda a: a.update(initial_state=torch.zeros(2, 2, 4, 3)), ValueError,
+         r"initial_state must have shape \[1, 2, 4, 3\], got \[2, 2, 4, 3\]"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32)), TypeError,
+         r"cu_seqlens must have dtype int64, got int32"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([[0, 10]])), ValueError, r"cu_seqlens must be 1-D"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([1, 10])), ValueError, r"cu_seqlens must start at 0, got 1"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 6, 4, 10])), ValueError, r"cu_seqlens must be non-decreasing"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 9])), ValueError, r"cu_seqlens must end at T=10 \(the packed length\), got 9"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 10]).tolist()), TypeError, r"cu_seqlens must be a torch.Tensor"),
+        (lambda a: a.update(scale=-1.0), ValueError, r"scale must be a positive finite number, got -1.0"),
+        (lambda a: a.update(scale="x"), TypeError, r"scale must be a float or None, got str"),
+    ],
+)
+def test_gla_bad_input_names_the_argument(mutate, exc, pattern):
+    q, k, v, g = _qkvg()
+    args = dict(q=q, k=k, v=v, g=g)
+    mutate(args)
+    with pytest.raises(exc, match=pattern):
+        naive_recurrent_gla(**args)
+
+
+def test_cu_seqlens_requires_batch_one():
+    with pytest.raises(ValueError, match=r"batch size must be 1.*got B=2"):
+        check_cu_seqlens(torch.tensor([0, 10]), batch_size=2, seq_len=10, device=torch.device("cpu"))
+
+
+def test_cu_seqlens_device_mismatch():
+    with pytest.raises(ValueError, match=r"cu_seqlens must be on device meta"):
+        check_cu_seqlens(torch.tensor([0, 10]), batch_size=1, seq_len=10, device=torch.device("meta"))
+
+
+def test_tensor_device_mismatch():
+    q, k, v, g = _qkvg()
+    with pytest.raises(ValueError, match=r"k must be on device cpu \(the device of q\), got meta"):
+        check_inputs(q, k.to("meta"), v, g)
+
+
+def test_kda_bad_input():
+    q, k, v, g = _qkvg(HV=4)
+    beta = torch.rand(1, 10, 4)
+    with pytest.raises(ValueError, match=r"HV=3 \(v.shape\[2\]\) must be a multiple of H=2"):
+        naive_recurrent_kda(q, k, torch.randn(1, 10, 3, 3), -torch.rand(1, 10, 3, 4), torch.rand(1, 10, 3))
+    with pytest.raises(ValueError, match=r"beta must have shape \[1, 10, 4\], got \[1, 10, 2\]"):
+        naive_recurrent_kda(q, k, v, g, beta[..., :2])
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 4, 3, 4\]"):
+        naive_recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 4, 4, 3), state_v_first=True)
+
+
+def test_scale_default():
+    assert check_scale(None, 16) == 0.25
+    assert check_scale(2, 16) == 2.0
+
+
+def test_chunk_bookkeeping():
+    cu = torch.tensor([0, 3, 3, 70, 200])
+    assert prepare_chunk_offsets(cu, 64).tolist() == [0, 1, 1, 3, 6]
+    idx = prepare_chunk_indices(cu, 64)
+    assert idx.dtype == torch.int32
+    assert idx.tolist() == [[0, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2]]
