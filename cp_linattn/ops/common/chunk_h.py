@@ -1,0 +1,258 @@
+"""Inter-chunk state recurrence with per-key-channel (diagonal) gates, forward and backward.
+
+Within one sequence, split into chunks of C tokens, with `b` the chunk-local cumsum of the
+log gate g (so `b_last`, the value at a chunk's last token, is the chunk's total decay):
+
+    forward    h_{c+1} = Diag(exp b_last) h_c + (k * exp(b_last - b))^T v
+    backward   dh_{c-1} = Diag(exp b_last) dh_c + scale * (q * exp b)^T do      (over chunk c)
+
+Every exponent is <= 0 because b is non-increasing within a chunk, so nothing overflows
+however strong the decay. One program owns one [BK, BV] tile of one (sequence, head) state,
+keeps it in fp32 registers and walks the sequence's chunks, so the states never round-trip
+through memory except for the per-chunk snapshot the chunked kernels read.
+
+Both functions work on any fragment of a sequence (any length, also shorter than a chunk):
+the context-parallel runtime calls them on a rank's piece to get the state a piece produces
+from a zero state, and the gradient a piece sends backwards from a zero incoming gradient.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.utils import check_tensor, prepare_chunk_indices, prepare_chunk_offsets
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get true fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16
+    operands are exact in any mode."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def state_block_sizes(K: int, V: int) -> tuple[int, int]:
+    """Tile sizes of the [K, V] state: powers of two, >= 16 because tl.dot needs it, <= 64 to
+    bound registers; larger heads are covered by more programs."""
+    return max(16, min(64, triton.next_power_of_2(K))), max(16, min(64, triton.next_power_of_2(V)))
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first token, length, index of the first chunk in the h tensors) of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+        seq_len = (eos - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+        first_chunk = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, seq_len, first_chunk
+
+
+@triton.jit
+def chunk_state_forward_kernel(
+    k, v, gk, h, h0, ht,
+    cu_seqlens, chunk_offsets,
+    T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Writes h[chunk] = state entering each chunk; grid (cdiv(V, BV), cdiv(K, BK), N * H)."""
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+
+    n_chunks = tl.cdiv(seq_len, BT)
+    # A while loop because the interpreter cannot use a loaded length as a range() bound.
+    i_t = 0
+    while i_t < n_chunks:
+        tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < seq_len
+        rows = (bos + o_t) * H + i_h
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+        b_g = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
+        last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
+        b_g_last = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)
+        # Padded rows would see exp(b_last - 0) > 1; zero them instead of trusting k == 0.
+        b_k_to_end = tl.where(m_t[:, None], b_k * tl.exp(b_g_last[None, :] - b_g), 0)
+        b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
+            tl.trans(b_k_to_end.to(b_v.dtype)), b_v, input_precision=DOT_PREC)
+        i_t += 1
+
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
+
+
+@triton.jit
+def chunk_state_backward_kernel(
+    q, gk, do, dh, dht, dh0,
+    cu_seqlens, chunk_offsets,
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Writes dh[chunk] = gradient of the state leaving each chunk; grid like the forward."""
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+
+    n_chunks = tl.cdiv(seq_len, BT)
+    i_t = n_chunks - 1
+    while i_t >= 0:
+        tl.store(dh + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_dh, mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < seq_len
+        rows = (bos + o_t) * H + i_h
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+        b_g = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
+        last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
+        b_g_last = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)
+        b_q_from_start = tl.where(m_t[:, None], b_q * tl.exp(b_g) * scale, 0)
+        b_dh = b_dh * tl.exp(b_g_last)[:, None] + tl.dot(
+            tl.trans(b_q_from_start.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        i_t -= 1
+
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
+
+
+def _chunk_bookkeeping(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
+    B, T = x.shape[:2]
+    if cu_seqlens is None:
+        return B, triton.cdiv(T, chunk_size), None
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+    if chunk_indices is not None:
+        n_chunks = chunk_indices.shape[0]
+    else:
+        n_chunks = int(chunk_offsets[-1])
+    return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
+
+
+def chunk_fwd_h(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """States entering every chunk, and the final states.
+
+    Args:
+        k: `[B, T, H, K]`, v: `[B, T, H, V]` (fp32/fp16/bf16, one dtype).
+        gk: `[B, T, H, K]` fp32, the chunk-local cumsum of the log gate over chunks of
+            `chunk_size` (`chunk_local_cumsum(g, chunk_size, cu_seqlens=...)`).
+        h0: optional initial states `[N, H, K, V]` (any float dtype; read as fp32).
+        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1); else N = B.
+        chunk_indices, chunk_offsets: optional precomputed `prepare_chunk_indices` /
+            `prepare_chunk_offsets(cu_seqlens, chunk_size)`, to skip the host work.
+
+    Returns:
+        h: fp32 `[B, NT, H, K, V]`, h[:, c] the state before chunk c (NT = chunks per row, or
+            the total number of chunks of the packed batch with `cu_seqlens`);
+        ht: fp32 `[N, H, K, V]` state after each sequence's last token, or None.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    check_tensor("v", v, shape=(B, T, H, None), device=k.device)
+    check_tensor("gk", gk, shape=(B, T, H, K), device=k.device, dtypes=(torch.float32,))
+    N, NT, chunk_offsets = _chunk_bookkeeping(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    if h0 is not None:
+        check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)
+    k, v, gk = k.contiguous(), v.contiguous(), gk.contiguous()
+    h0 = h0.contiguous() if h0 is not None else None
+    h = k.new_empty(B, NT, H, K, V, dtype=torch.float32)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    BK, BV = state_block_sizes(K, V)
+    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
+    if N * H > 0:
+        chunk_state_forward_kernel[grid](
+            k, v, gk, h, h0, ht, cu_seqlens, chunk_offsets, T,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+            HAS_H0=h0 is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+            DOT_PREC=dot_precision(v.dtype),
+        )
+    return h, ht
+
+
+def chunk_bwd_dh(
+    q: torch.Tensor,
+    gk: torch.Tensor,
+    do: torch.Tensor,
+    scale: float,
+    dht: torch.Tensor | None = None,
+    need_dh0: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of the chunk states, for outputs `o_t = scale * S_t^T q_t`.
+
+    Args:
+        q: `[B, T, H, K]`, do: `[B, T, H, V]` (the output gradient, q's dtype).
+        gk: `[B, T, H, K]` fp32 chunk-local cumsum of the log gate (as in `chunk_fwd_h`).
+        dht: optional gradient of the final states `[N, H, K, V]` (read as fp32).
+        cu_seqlens, chunk_indices, chunk_offsets: as in `chunk_fwd_h`.
+
+    Returns:
+        dh: fp32 `[B, NT, H, K, V]`; dh[:, c] is the gradient w.r.t. the state at the END of
+            chunk c (= h[:, c + 1], or the final state for a sequence's last chunk) from the
+            outputs of all later chunks of the sequence plus `dht`. It excludes chunk c's own
+            outputs, which is what the gradients of chunk c's k and v need.
+        dh0: fp32 `[N, H, K, V]`, the gradient w.r.t. each sequence's initial state (from all
+            its outputs and `dht`), or None unless `need_dh0`.
+    """
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    check_tensor("do", do, shape=(B, T, H, None), device=q.device)
+    check_tensor("gk", gk, shape=(B, T, H, K), device=q.device, dtypes=(torch.float32,))
+    N, NT, chunk_offsets = _chunk_bookkeeping(q, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    if dht is not None:
+        check_tensor("dht", dht, shape=(N, H, K, V), device=q.device)
+    q, gk = q.contiguous(), gk.contiguous()
+    do = do.to(q.dtype).contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32)
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    BK, BV = state_block_sizes(K, V)
+    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
+    if N * H > 0:
+        chunk_state_backward_kernel[grid](
+            q, gk, do, dh, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+            HAS_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
+            DOT_PREC=dot_precision(q.dtype),
+        )
+    return dh, dh0

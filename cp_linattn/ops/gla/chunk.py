@@ -1,0 +1,389 @@
+"""Chunked Gated Linear Attention: `S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T`, `o_t = scale S_t^T q_t`.
+
+Per chunk of BT = 64 tokens, with b the chunk-local cumsum of g and h the state entering it:
+
+    o_t = scale * (q_t * exp b_t)^T h + sum_{s <= t in chunk} A_ts v_s,
+    A_ts = scale * sum_k q_tk k_sk exp(b_tk - b_sk).
+
+A is never stored: the output and dv kernels rebuild it in registers, in 16-row blocks.
+For the block of rows [r, r + 16) and the columns before r the gate difference is split at
+b_r: `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
+tensor-core dot does the work. Inside the diagonal 16 x 16 blocks exp(b_t - b_s) is taken
+pair by pair (one key column per step), which is exact.
+
+Forward: gate cumsum, `chunk_fwd_h` (states), output kernel. Backward: states recomputed,
+`chunk_bwd_dh`, a dv kernel and a dq/dk/dg kernel. The log-gate gradient uses
+`dL/db_t = q_t dq_t - k_t dk_t` for every token, and for the chunk's total decay b_last
+(which every g of the chunk feeds) `dL/db_last = sum_v (h_next * dh)`, h_next the state leaving
+the chunk; hence `dg = reverse_cumsum_in_chunk(q dq - k dk) + dL/db_last`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision, state_block_sizes
+from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.utils import check_inputs, check_scale, prepare_chunk_indices, prepare_chunk_offsets
+
+CHUNK_SIZE = 64
+SUB_CHUNK_SIZE = 16
+
+
+@triton.jit
+def chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first token of the sequence, its length, first token of the chunk within it, index of
+    the chunk in the h/dh tensors) for program chunk i_t of batch row i_b."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        state_index = i_t.to(tl.int64)
+    else:
+        i_c = i_t.to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+        seq_len = T
+        state_index = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    return bos, seq_len, i_c * BT, state_index
+
+
+@triton.jit
+def intra_chunk_scores(
+    k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len, H: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Causal `sum_k q_tk k_sk exp(b_tk - b_sk)` over one key-channel block, [BT, BT] fp32.
+
+    b_q, b_g: fp32 [BT, BK] tiles of q and the gate cumsum; chunk_row0: index of the chunk's
+    first row in the flat (token, head) row space; rows at or past chunk_len are padding.
+    """
+    dtype = k.dtype.element_ty
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_k = tl.load(k + (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_c in tl.static_range(1, BT // BC):
+        ref_valid = i_c * BC < chunk_len
+        b_ref = tl.load(gk + (chunk_row0 + i_c * BC * H) * K + o_k, mask=m_k & ref_valid, other=0)
+        in_block = (o_i >= i_c * BC) & (o_i < i_c * BC + BC) & m_t
+        before = (o_i < i_c * BC) & ref_valid
+        b_q_ref = tl.where(in_block[:, None], b_q * tl.exp(b_g - b_ref[None, :]), 0)
+        b_k_ref = tl.where(before[:, None], b_k * tl.exp(b_ref[None, :] - b_g), 0)
+        b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PREC)
+    block_start = (o_i // BC) * BC
+    for j in range(BC):
+        o_s = block_start + j
+        m_s = (o_s <= o_i) & m_t
+        m_sk = m_s[:, None] & m_k[None, :]
+        s_offs = (chunk_row0 + o_s[:, None] * H) * K + o_k[None, :]
+        b_ks = tl.load(k + s_offs, mask=m_sk, other=0).to(tl.float32)
+        b_gs = tl.load(gk + s_offs, mask=m_sk, other=0)
+        b_pair = tl.sum(tl.where(m_sk, b_q * b_ks * tl.exp(b_g - b_gs), 0), axis=1)
+        b_a += tl.where(o_i[None, :] == o_s[:, None], b_pair[:, None], 0)
+    return b_a
+
+
+@triton.jit
+def chunk_gla_fwd_o_kernel(
+    q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """o = scale * ((q * exp b) h + A v) for one [BT, BV] tile; grid (cdiv(V, BV), NT, B * H)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    dtype = q.dtype.element_ty
+    chunk_len = seq_len - t0
+    chunk_row0 = (bos + t0) * H + i_h
+    o_i = tl.arange(0, BT)
+    m_t = o_i < chunk_len
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    h_base = h + (state_index * H + i_h) * K * V
+
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+        b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
+        b_g = tl.load(gk + offs, mask=m_tk, other=0)
+        b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
+                                  H, K, BT, BC, DOT_PREC)
+        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+        b_q_start = tl.where(m_tk, b_q * tl.exp(b_g), 0)
+        b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PREC)
+    m_tv = m_t[:, None] & m_v[None, :]
+    v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
+    b_v = tl.load(v + v_offs, mask=m_tv, other=0)
+    b_o += tl.dot(b_a.to(dtype), b_v, input_precision=DOT_PREC)
+    tl.store(o + v_offs, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunk_gla_bwd_dv_kernel(
+    q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dv = scale * A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile; grid like the output."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    dtype = q.dtype.element_ty
+    chunk_len = seq_len - t0
+    chunk_row0 = (bos + t0) * H + i_h
+    last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
+    o_i = tl.arange(0, BT)
+    m_t = o_i < chunk_len
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    dh_base = dh + (state_index * H + i_h) * K * V
+
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+        b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
+        b_g = tl.load(gk + offs, mask=m_tk, other=0)
+        b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
+                                  H, K, BT, BC, DOT_PREC)
+        b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
+        b_g_last = tl.load(gk + last_row * K + o_k, mask=m_k, other=0)
+        b_k_end = tl.where(m_tk, b_k * tl.exp(b_g_last[None, :] - b_g), 0)
+        b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+        b_dv += tl.dot(b_k_end.to(dtype), b_dh.to(dtype), input_precision=DOT_PREC)
+    m_tv = m_t[:, None] & m_v[None, :]
+    v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
+    b_do = tl.load(do + v_offs, mask=m_tv, other=0)
+    b_dv += tl.dot(tl.trans((b_a * scale).to(dtype)), b_do, input_precision=DOT_PREC)
+    tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunk_gla_bwd_dqkg_kernel(
+    q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H)."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    dtype = q.dtype.element_ty
+    chunk_len = seq_len - t0
+    chunk_row0 = (bos + t0) * H + i_h
+    last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
+    o_i = tl.arange(0, BT)
+    m_t = o_i < chunk_len
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+    b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
+    b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
+    b_g = tl.load(gk + offs, mask=m_tk, other=0)
+    b_g_last = tl.load(gk + last_row * K + o_k, mask=m_k, other=0)
+    state_base = (state_index * H + i_h) * K * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    b_h_dh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
+        b_do = tl.load(do + v_offs, mask=m_tv, other=0)
+        b_v = tl.load(v + v_offs, mask=m_tv, other=0)
+        m_kv = m_k[:, None] & m_v[None, :]
+        s_offs = state_base + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + s_offs, mask=m_kv, other=0)
+        b_dh = tl.load(dh + s_offs, mask=m_kv, other=0)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_v, tl.trans(b_dh.to(dtype)), input_precision=DOT_PREC)
+        b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_h_dh += tl.sum(b_h * b_dh, axis=1)
+    b_da = tl.where((o_i[:, None] >= o_i[None, :]) & m_t[:, None], b_da * scale, 0)
+    b_dq = tl.where(m_tk, b_dq * tl.exp(b_g) * scale, 0)
+    b_dk = tl.where(m_tk, b_dk * tl.exp(b_g_last[None, :] - b_g), 0)
+    # Gradient of b_last, all of it through the state leaving the chunk.
+    b_dg_last = b_h_dh * tl.exp(b_g_last) + tl.sum(b_dk * b_k, axis=0)
+
+    for i_c in tl.static_range(1, BT // BC):
+        ref_valid = i_c * BC < chunk_len
+        b_ref = tl.load(gk + (chunk_row0 + i_c * BC * H) * K + o_k, mask=m_k & ref_valid, other=0)
+        in_block = (o_i >= i_c * BC) & (o_i < i_c * BC + BC) & m_t
+        before = (o_i < i_c * BC) & ref_valid
+        b_decay_q = tl.where(in_block[:, None], tl.exp(b_g - b_ref[None, :]), 0)
+        b_decay_k = tl.where(before[:, None], tl.exp(b_ref[None, :] - b_g), 0)
+        b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
+        b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
+        b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
+    block_start = (o_i // BC) * BC
+    for j in range(BC):
+        o_p = block_start + j
+        # Row t pairs with key o_p[t] (dq); key s pairs with query o_p[s] (dk).
+        m_key = (o_p <= o_i) & m_t
+        m_query = (o_p >= o_i) & (o_p < chunk_len)
+        p_offs = (chunk_row0 + o_p[:, None] * H) * K + o_k[None, :]
+        b_da_key = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_da, 0), axis=1)
+        b_da_query = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_da, 0), axis=0)
+        m_pk = (m_key | m_query)[:, None] & m_k[None, :]
+        b_kp = tl.load(k + p_offs, mask=m_pk, other=0).to(tl.float32)
+        b_qp = tl.load(q + p_offs, mask=m_pk, other=0).to(tl.float32)
+        b_gp = tl.load(gk + p_offs, mask=m_pk, other=0)
+        b_dq += tl.where(m_key[:, None], b_da_key[:, None] * b_kp * tl.exp(b_g - b_gp), 0)
+        b_dk += tl.where(m_query[:, None], b_da_query[:, None] * b_qp * tl.exp(b_gp - b_g), 0)
+
+    b_dg_token = tl.where(m_tk, b_q * b_dq - b_k * b_dk, 0)
+    b_dg = tl.sum(b_dg_token, axis=0)[None, :] - tl.cumsum(b_dg_token, axis=0) + b_dg_token
+    b_dg += b_dg_last[None, :]
+    tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+
+
+def _launch_shape(q: torch.Tensor, v: torch.Tensor, n_chunks: int):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = state_block_sizes(K, V)
+    return B, T, H, K, V, BK, BV, n_chunks
+
+
+def chunk_gla_fwd_o(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor, scale: float,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and the states h
+    (fp32 `[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`)."""
+    B, T, H, K, V, BK, BV, NT = _launch_shape(q, v, h.shape[1])
+    o = torch.empty_like(v)
+    if NT > 0:
+        chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
+            q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
+            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+        )
+    return o
+
+
+def chunk_gla_bwd_dv(
+    q: torch.Tensor, k: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, scale: float,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dv `[B, T, H, V]` in do's dtype; dh fp32 `[B, NT, H, K, V]` from `chunk_bwd_dh`."""
+    B, T, H, K, V, BK, BV, NT = _launch_shape(q, do, dh.shape[1])
+    dv = torch.empty_like(do)
+    if NT > 0:
+        chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
+            q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
+            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+        )
+    return dv
+
+
+def chunk_gla_bwd_dqkg(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor,
+    do: torch.Tensor, dh: torch.Tensor, scale: float,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk (q's dtype) and dg (fp32), all `[B, T, H, K]`."""
+    B, T, H, K, V, BK, BV, NT = _launch_shape(q, v, h.shape[1])
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty_like(gk)
+    if NT > 0:
+        chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
+            q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+        )
+    return dq, dk, dg
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    """Autograd wrapper over the chunk kernels; inputs are validated and contiguous.
+
+    The states enter only through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`, the two
+    places where a context-parallel runtime substitutes the state handed over by other ranks.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
+        chunk_indices = chunk_offsets = None
+        if cu_seqlens is not None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
+            chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
+        h, ht = chunk_fwd_h(k, v, gk, h0=initial_state, output_final_state=output_final_state,
+                            chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
+        o = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
+        ctx.save_for_backward(q, k, v, gk, initial_state, cu_seqlens, chunk_indices, chunk_offsets)
+        ctx.scale = scale
+        ctx.g_dtype = g.dtype
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gk, initial_state, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        scale = ctx.scale
+        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        do = do.to(q.dtype).contiguous()
+        h, _ = chunk_fwd_h(k, v, gk, h0=initial_state, chunk_offsets=chunk_offsets,
+                           chunk_size=CHUNK_SIZE, **varlen)
+        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=initial_state is not None,
+                               chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
+        dv = chunk_gla_bwd_dv(q, k, gk, do, dh, scale, **varlen)
+        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, **varlen)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cp_context=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated Linear Attention with chunked Triton kernels (forward and backward).
+
+    Args:
+        q, k: `[B, T, H, K]`; v: `[B, T, H, V]`; one dtype of fp32/fp16/bf16.
+        g: `[B, T, H, K]` log decay (natural log, <= 0), any float dtype.
+        scale: defaults to `K ** -0.5`.
+        initial_state: `[N, H, K, V]` (any float dtype; used in fp32), N = B or the number of
+            sequences of `cu_seqlens`.
+        output_final_state: also return the fp32 final states `[N, H, K, V]`.
+        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cp_context: context-parallel context; not supported yet.
+
+    Returns:
+        o `[B, T, H, V]` in q's dtype, and the final state (fp32 `[N, H, K, V]`) or None.
+    """
+    if cp_context is not None:
+        raise NotImplementedError("chunk_gla: context-parallel execution (cp_context) is not wired up yet")
+    dims = check_inputs(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    scale = check_scale(scale, dims.K)
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens)
