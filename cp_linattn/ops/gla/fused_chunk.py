@@ -1,0 +1,427 @@
+"""Fused chunked Gated Linear Attention with the seed's `fused_chunk_gla` API.
+
+`S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T`, `o_t = scale * S_t^T q_t`, gates in natural log.
+
+"Fused" means one program per (batch, head, K-block, V-block) walks the whole sequence in
+chunks of `BT = 16` tokens and carries its `[BK, BV]` block of the state in fp32 registers:
+no per-chunk state is ever written to memory, and the intra-chunk attention is computed in
+the same kernel.
+
+Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself. Every
+exponent the kernels take is a difference `g_i - g_j` with `i` at or after `j` inside one
+chunk (or a chunk-start/chunk-end reference), so it is `<= 0` for log-decay gates and can
+never overflow, however negative the gates are. That is why the chunk is 16 tokens and the
+intra-chunk scores are formed column by column instead of by the factorisation
+`(q e^g)(k e^-g)^T`, whose `e^-g` overflows for gates around -5 per token.
+
+Backward is one kernel launch per (batch, head, K-block, V-block): a forward sweep rebuilds
+the states to get the inter-chunk part of dq, then a reverse sweep carries `dh` in registers
+and produces dq, dk, dv, the gate gradient (its reverse cumulative sum carried across chunks)
+and the gradient of the initial state; the gradient of the final state seeds `dh`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
+
+CHUNK = 16
+
+
+@triton.jit
+def _sequence_offsets(i_b, i_h, T, H: tl.constexpr, D: tl.constexpr, HEAD_FIRST: tl.constexpr):
+    """Offset of token 0 of sequence (i_b, i_h) and the stride between tokens.
+
+    For a contiguous `[B, H, T, D]` (HEAD_FIRST) or `[B, T, H, D]` tensor; int64 so that
+    partial-sum buffers of several times the input size cannot overflow the offsets.
+    """
+    if HEAD_FIRST:
+        base = (i_b * H + i_h).to(tl.int64) * T * D
+        stride = D
+    else:
+        base = (i_b.to(tl.int64) * T * H + i_h) * D
+        stride = H * D
+    return base, stride
+
+
+@triton.jit
+def _row(x, j, BT: tl.constexpr):
+    """Row `j` of a `[BT, N]` register tile: Triton cannot index registers directly."""
+    return tl.sum(tl.where(tl.arange(0, BT)[:, None] == j, x, 0.0), axis=0)
+
+
+@triton.jit
+def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRADS: tl.constexpr):
+    """Intra-chunk gated scores of one K-block and, with GRADS, their gradients.
+
+    b_qs (scaled q), b_k, b_gc (in-chunk cumulative gate): fp32 `[BT, BK]`;
+    b_dp: fp32 `[BT, BT]`, `do @ v^T` (only read with GRADS).
+    Returns A `[BT, BT]` with `A_ij = sum_k qs_ik k_jk exp(gc_ik - gc_jk)` for `i >= j`,
+    and with GRADS the intra-chunk dq (before the scale) and dk, both `[BT, BK]`.
+    Column j's decay `exp(gc_i - gc_j)` is only formed for `i >= j` (exponent <= 0).
+    """
+    o_r = tl.arange(0, BT)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in range(BT):
+        b_kj = _row(b_k, j, BT)
+        b_gj = _row(b_gc, j, BT)
+        causal = o_r[:, None] >= j
+        b_e = tl.exp(tl.where(causal, b_gc - b_gj[None, :], float("-inf")))
+        b_qe = b_qs * b_e
+        b_a = tl.where(o_r[None, :] == j, tl.sum(b_qe * b_kj[None, :], axis=1)[:, None], b_a)
+        if GRADS:
+            b_dpj = tl.sum(tl.where(o_r[None, :] == j, b_dp, 0.0), axis=1)
+            b_dq += b_dpj[:, None] * b_e * b_kj[None, :]
+            b_dk = tl.where(o_r[:, None] == j, tl.sum(b_dpj[:, None] * b_qe, axis=0)[None, :], b_dk)
+    return b_a, b_dq, b_dk
+
+
+@triton.jit
+def fused_chunk_gla_fwd_kernel(
+    q, k, v, g, o, h0, ht,
+    scale,
+    T,
+    B: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HEAD_FIRST: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Output and final state of one (K-block, V-block) of one (batch, head).
+
+    q, k, g: `[B, H, T, K]` or `[B, T, H, K]`; v: same layout with V; o: `[NK, *v.shape]`,
+    this K-block's share of the output (summed over K-blocks by the caller when NK > 1);
+    h0, ht: fp32-or-any `[B, H, K, V]`. Grid: (NV, NK, B * H).
+    """
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    base_k, st_k = _sequence_offsets(i_b, i_h, T, H, K, HEAD_FIRST)
+    base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
+    o += i_k.to(tl.int64) * B * T * H * V
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    p_h = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
+    NT = tl.cdiv(T, BT)
+    # while, not range(): the interpreter (numpy 2) cannot take a runtime range() bound.
+    i_t = 0
+    while i_t < NT:
+        m_t = i_t * BT + o_t < T
+        p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
+        p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_qs = tl.load(q + p_kd, mask=m_tk, other=0).to(tl.float32) * scale
+        b_k = tl.load(k + p_kd, mask=m_tk, other=0)
+        # Tail rows load gate 0, so the cumulative gate stays flat there and the last row
+        # holds the decay of the whole (partial) chunk.
+        b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
+        b_glast = _row(b_gc, BT - 1, BT)
+        b_v = tl.load(v + p_vd, mask=m_tv, other=0)
+
+        b_a, _, _ = _intra_chunk(b_qs, b_k.to(tl.float32), b_gc, None, BT, BK, False)
+        b_o = tl.dot((b_qs * tl.exp(b_gc)).to(b_v.dtype), b_h.to(b_v.dtype), input_precision=DOT_PRECISION)
+        b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        tl.store(o + p_vd, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+        b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
+        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=DOT_PRECISION)
+        i_t += 1
+    if STORE_HT:
+        tl.store(ht + p_h, b_h.to(ht.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def fused_chunk_gla_bwd_kernel(
+    q, k, v, g, do, h0, dht,
+    dq, dk, dv, dg, dh0,
+    scale,
+    T,
+    B: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HEAD_FIRST: tl.constexpr,
+    USE_H0: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """All gradients of one (K-block, V-block) of one (batch, head).
+
+    Inputs as in the forward kernel, do like v, dht like h0. Outputs are this block's shares:
+    dq, dk, dg `[NV, *q.shape]` (dg fp32) summed over V-blocks by the caller, dv
+    `[NK, *v.shape]` summed over K-blocks, dh0 `[B, H, K, V]` fp32 (each block owns its part).
+    Grid: (NV, NK, B * H).
+    """
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    base_k, st_k = _sequence_offsets(i_b, i_h, T, H, K, HEAD_FIRST)
+    base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
+    dq += i_v.to(tl.int64) * B * T * H * K
+    dk += i_v.to(tl.int64) * B * T * H * K
+    dg += i_v.to(tl.int64) * B * T * H * K
+    dv += i_k.to(tl.int64) * B * T * H * V
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    p_h = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+
+    # Forward sweep: rebuild the states; dq's inter-chunk part needs the state before each
+    # chunk. It is parked in this program's own slot of dg (fp32), which the reverse sweep
+    # reads back and overwrites chunk by chunk with the gate gradient.
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
+    NT = tl.cdiv(T, BT)
+    i_t = 0
+    while i_t < NT:
+        m_t = i_t * BT + o_t < T
+        p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
+        p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_k = tl.load(k + p_kd, mask=m_tk, other=0)
+        b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
+        b_glast = _row(b_gc, BT - 1, BT)
+        b_v = tl.load(v + p_vd, mask=m_tv, other=0)
+        b_do = tl.load(do + p_vd, mask=m_tv, other=0)
+
+        b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
+        tl.store(dg + p_kd, scale * tl.exp(b_gc) * b_dq, mask=m_tk)
+
+        b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
+        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=DOT_PRECISION)
+        i_t += 1
+
+    # b_h is now the final state: the final-state gradient reaches every gate through the
+    # total decay, so sum_v(h_T * dht) starts the gate gradient's reverse cumulative sum.
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dg_carry = tl.zeros([BK], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + p_h, mask=m_h, other=0).to(tl.float32)
+        b_dg_carry += tl.sum(b_h * b_dh, axis=1)
+    # The reverse sweep reads dq values that other threads of this program stored above.
+    tl.debug_barrier()
+
+    i_t = NT - 1
+    while i_t >= 0:
+        m_t = i_t * BT + o_t < T
+        p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
+        p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + p_kd, mask=m_tk, other=0).to(tl.float32)
+        b_qs = b_q * scale
+        b_k = tl.load(k + p_kd, mask=m_tk, other=0).to(tl.float32)
+        b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
+        b_glast = _row(b_gc, BT - 1, BT)
+        b_v = tl.load(v + p_vd, mask=m_tv, other=0)
+        b_do = tl.load(do + p_vd, mask=m_tv, other=0)
+        b_dq = tl.load(dg + p_kd, mask=m_tk, other=0)
+
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_a, b_dq_intra, b_dk = _intra_chunk(b_qs, b_k, b_gc, b_dp, BT, BK, True)
+        b_dq += scale * b_dq_intra
+
+        b_kdecay = tl.exp(b_glast[None, :] - b_gc)
+        b_dv = tl.dot(tl.trans(b_a).to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot((b_k * b_kdecay).to(b_v.dtype), b_dh.to(b_v.dtype), input_precision=DOT_PRECISION)
+        b_dk += b_kdecay * tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+
+        # d(cumulative gate) = q*dq - k*dk; the raw gate's gradient is its reverse cumsum
+        # over the whole sequence: in-chunk part plus what the later chunks carried.
+        b_dgc = b_q * b_dq - b_k * b_dk
+        b_dgc_total = tl.sum(b_dgc, axis=0)
+        b_dg = (b_dg_carry + b_dgc_total)[None, :] - tl.cumsum(b_dgc, axis=0) + b_dgc
+        b_dg_carry += b_dgc_total
+
+        tl.store(dq + p_kd, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + p_kd, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dg + p_kd, b_dg, mask=m_tk)
+        tl.store(dv + p_vd, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+        b_qg = (b_qs * tl.exp(b_gc)).to(b_do.dtype)
+        b_dh = b_dh * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PRECISION)
+        i_t -= 1
+    if STORE_DH0:
+        tl.store(dh0 + p_h, b_dh, mask=m_h)
+
+
+def _launch_config(K: int, V: int, dtype: torch.dtype) -> dict:
+    """Block sizes (tl.dot needs every dim >= 16), warps, and the fp32 dot precision.
+
+    fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
+    """
+    return dict(
+        BT=CHUNK,
+        BK=max(16, min(64, triton.next_power_of_2(K))),
+        BV=max(16, min(64, triton.next_power_of_2(V))),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+
+
+def _shape(x: torch.Tensor, head_first: bool) -> tuple[int, int, int, int]:
+    """(B, T, H, D) of a `[B, H, T, D]` (head_first) or `[B, T, H, D]` tensor."""
+    if head_first:
+        B, H, T, D = x.shape
+    else:
+        B, T, H, D = x.shape
+    return B, T, H, D
+
+
+def fused_chunk_gla_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    head_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel on validated contiguous inputs.
+
+    Returns o (v's dtype, v's shape) and the fp32 final state `[B, H, K, V]` or None.
+    """
+    B, T, H, K = _shape(q, head_first)
+    V = v.shape[-1]
+    cfg = _launch_config(K, V, q.dtype)
+    NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
+    o = v.new_empty(NK, *v.shape, dtype=v.dtype if NK == 1 else torch.float32)
+    ht = q.new_empty(B, H, K, V, dtype=torch.float32) if output_final_state else None
+    fused_chunk_gla_fwd_kernel[(NV, NK, B * H)](
+        q, k, v, g, o, initial_state, ht, scale, T,
+        B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg,
+    )
+    return (o[0] if NK == 1 else o.sum(0).to(v.dtype)), ht
+
+
+def fused_chunk_gla_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    need_dh0: bool,
+    head_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernel; returns dq, dk, dv, dg (dtypes of q, k, v, g) and fp32 dh0."""
+    B, T, H, K = _shape(q, head_first)
+    V = v.shape[-1]
+    cfg = _launch_config(K, V, q.dtype)
+    NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
+    dq = q.new_empty(NV, *q.shape, dtype=q.dtype if NV == 1 else torch.float32)
+    dk = k.new_empty(NV, *k.shape, dtype=k.dtype if NV == 1 else torch.float32)
+    dv = v.new_empty(NK, *v.shape, dtype=v.dtype if NK == 1 else torch.float32)
+    dg = g.new_empty(NV, *g.shape, dtype=torch.float32)
+    dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if need_dh0 else None
+    fused_chunk_gla_bwd_kernel[(NV, NK, B * H)](
+        q, k, v, g, do, initial_state, dht, dq, dk, dv, dg, dh0, scale, T,
+        B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
+        USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg,
+    )
+    dq, dk, dg = (x.sum(0) for x in (dq, dk, dg))
+    dv = dv.sum(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
+
+
+class FusedChunkGLAFunction(torch.autograd.Function):
+    """Autograd wrapper: saves only the inputs; the backward recomputes the states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, head_first):
+        o, ht = fused_chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, head_first)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.head_first = scale, head_first
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, initial_state = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        need_dh0 = initial_state is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dg, dh0 = fused_chunk_gla_bwd(
+            q, k, v, g, do, dht, ctx.scale, initial_state, need_dh0, ctx.head_first)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, None, dh0, None, None
+
+
+def _check_fused_inputs(q, k, v, g, initial_state, head_first: bool):
+    """Validate shapes for either layout, with the messages of `check_inputs`."""
+    if head_first:
+        check_tensor("q", q, ndim=4)
+        B, H, T, K = q.shape
+        check_tensor("k", k, shape=(B, H, T, K), device=q.device)
+        check_tensor("v", v, shape=(B, H, T, None), device=q.device)
+        check_tensor("g", g, shape=(B, H, T, K), device=q.device)
+        q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    return check_inputs(q, k, v, g, initial_state=initial_state)
+
+
+def fused_chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = -1,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    head_first: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated Linear Attention, fused chunked kernels (forward and backward).
+
+    Args:
+        q, k: `[B, H, T, K]` if `head_first` else `[B, T, H, K]`, fp32/fp16/bf16 (one dtype
+            shared with v).
+        v: `[B, H, T, V]` if `head_first` else `[B, T, H, V]`.
+        g: like q, log decay (natural log, <= 0), any float dtype; cumulated in fp32 in-kernel.
+        scale: `-1` or None mean `K ** -0.5`; otherwise a positive float.
+        initial_state: `[B, H, K, V]`, any float dtype; it receives a gradient.
+        output_final_state: return the fp32 final state `[B, H, K, V]` (its gradient is used).
+        head_first: layout of q, k, v, g and of the output.
+
+    Returns:
+        o: like v, in v's dtype; final_state: fp32 `[B, H, K, V]` or None.
+    """
+    if not isinstance(head_first, bool):
+        raise TypeError(f"head_first must be a bool, got {type(head_first).__name__}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    dims = _check_fused_inputs(q, k, v, g, initial_state, head_first)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == -1:
+        scale = None
+    scale = check_scale(scale, dims.K)
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return FusedChunkGLAFunction.apply(q, k, v, g, scale, initial_state, output_final_state, head_first)
