@@ -68,8 +68,9 @@ def intra_chunk_scores(
         b_ref = tl.load(gk + (chunk_row0 + i_c * BC * H) * K + o_k, mask=m_k & ref_valid, other=0)
         in_block = (o_i >= i_c * BC) & (o_i < i_c * BC + BC) & m_t
         before = (o_i < i_c * BC) & ref_valid
-        b_q_ref = tl.where(in_block[:, None], b_q * tl.exp(b_g - b_ref[None, :]), 0)
-        b_k_ref = tl.where(before[:, None], b_k * tl.exp(b_ref[None, :] - b_g), 0)
+        # Masking the exponent (not the product) keeps exp from overflowing off the block.
+        b_q_ref = b_q * tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
+        b_k_ref = b_k * tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
         b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PREC)
     block_start = (o_i // BC) * BC
     for j in range(BC):
@@ -226,8 +227,8 @@ def chunk_gla_bwd_dqkg_kernel(
         b_ref = tl.load(gk + (chunk_row0 + i_c * BC * H) * K + o_k, mask=m_k & ref_valid, other=0)
         in_block = (o_i >= i_c * BC) & (o_i < i_c * BC + BC) & m_t
         before = (o_i < i_c * BC) & ref_valid
-        b_decay_q = tl.where(in_block[:, None], tl.exp(b_g - b_ref[None, :]), 0)
-        b_decay_k = tl.where(before[:, None], tl.exp(b_ref[None, :] - b_g), 0)
+        b_decay_q = tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
+        b_decay_k = tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
         b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
         b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
         b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
@@ -244,8 +245,8 @@ def chunk_gla_bwd_dqkg_kernel(
         b_kp = tl.load(k + p_offs, mask=m_pk, other=0).to(tl.float32)
         b_qp = tl.load(q + p_offs, mask=m_pk, other=0).to(tl.float32)
         b_gp = tl.load(gk + p_offs, mask=m_pk, other=0)
-        b_dq += tl.where(m_key[:, None], b_da_key[:, None] * b_kp * tl.exp(b_g - b_gp), 0)
-        b_dk += tl.where(m_query[:, None], b_da_query[:, None] * b_qp * tl.exp(b_gp - b_g), 0)
+        b_dq += b_da_key[:, None] * b_kp * tl.exp(tl.where(m_key[:, None], b_g - b_gp, float("-inf")))
+        b_dk += b_da_query[:, None] * b_qp * tl.exp(tl.where(m_query[:, None], b_gp - b_g, float("-inf")))
 
     b_dg_token = tl.where(m_tk, b_q * b_dq - b_k * b_dk, 0)
     b_dg = tl.sum(b_dg_token, axis=0)[None, :] - tl.cumsum(b_dg_token, axis=0) + b_dg_token
