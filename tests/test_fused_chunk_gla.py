@@ -1,0 +1,237 @@
+"""fused_chunk_gla against the fp32 token-by-token reference, forward and every gradient.
+
+CPU cases run the Triton kernels in the interpreter (fp32: bf16 dots are wrong there), on
+lengths that are not multiples of the 16-token chunk, shorter than one chunk, with head dims
+that need several K/V blocks or masked ones, both layouts, with and without the initial
+state, the final state and its gradient. GPU cases (bf16, fp32, T up to 8192, K = V = 128)
+skip without CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_linattn.ops.gla.fused_chunk import fused_chunk_gla
+from cp_linattn.ops.gla.naive import naive_recurrent_gla
+from tests.conftest import requires_cuda
+
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dh0")
+
+
+def make_inputs(B, T, H, K, V, *, gate="logsigmoid", use_h0=True, dtype=torch.float32, device="cpu", seed=0):
+    """q, k, v, g `[B, T, H, *]`, initial state `[B, H, K, V]` (or None), do, dht."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    if gate == "logsigmoid":
+        g = F.logsigmoid(randn(B, T, H, K))
+    elif gate == "strong":
+        g = -5 * torch.rand(B, T, H, K, generator=gen)
+    elif gate == "extreme":
+        g = -30 + randn(B, T, H, K)
+    else:
+        raise AssertionError(gate)
+    h0 = randn(B, H, K, V) if use_h0 else None
+    do, dht = randn(B, T, H, V), randn(B, H, K, V)
+    cast = lambda x: None if x is None else x.to(device=device, dtype=dtype)  # noqa: E731
+    return dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g), h0=cast(h0),
+                do=do.to(device), dht=dht.to(device))
+
+
+def reference(inp, *, scale=None, output_final_state=True, use_dht=True):
+    """Outputs and gradients of the fp32 recurrent reference, by torch.autograd."""
+    leaves = [inp[n].detach().float().requires_grad_() for n in ("q", "k", "v", "g")]
+    h0 = None if inp["h0"] is None else inp["h0"].detach().float().requires_grad_()
+    o, ht = naive_recurrent_gla(*leaves, scale=scale, initial_state=h0, output_final_state=output_final_state)
+    loss = (o * inp["do"].float()).sum()
+    if use_dht:
+        loss = loss + (ht * inp["dht"].float()).sum()
+    grads = torch.autograd.grad(loss, leaves + ([h0] if h0 is not None else []))
+    return dict(zip(NAMES, [o, ht, *grads]))
+
+
+def fused(inp, *, head_first, scale=-1, output_final_state=True, use_dht=True):
+    """Outputs and gradients of fused_chunk_gla, brought back to `[B, T, H, D]`."""
+    layout = (lambda x: x.transpose(1, 2)) if head_first else (lambda x: x)
+    leaves = [layout(inp[n]).detach().clone().requires_grad_() for n in ("q", "k", "v", "g")]
+    h0 = None if inp["h0"] is None else inp["h0"].detach().clone().requires_grad_()
+    o, ht = fused_chunk_gla(*leaves, scale=scale, initial_state=h0,
+                            output_final_state=output_final_state, head_first=head_first)
+    assert o.dtype == inp["v"].dtype and o.shape == leaves[2].shape
+    if output_final_state:
+        assert ht.dtype == torch.float32
+    else:
+        assert ht is None
+    loss = (layout(o).float() * inp["do"].float()).sum()
+    if use_dht:
+        loss = loss + (ht * inp["dht"].float()).sum()
+    grads = torch.autograd.grad(loss, leaves + ([h0] if h0 is not None else []))
+    grads = [layout(x) for x in grads[:4]] + list(grads[4:])
+    return dict(zip(NAMES, [layout(o), ht, *grads]))
+
+
+def assert_matches(got, ref, *, tol=1e-4, floors=None):
+    """Max abs error of every output/gradient below `tol` times the reference's max abs.
+
+    `floors` raises the scale of named entries, for a gradient that is a difference of
+    much larger terms (its error is relative to those terms, not to the difference).
+    """
+    assert got.keys() == ref.keys()
+    floors = floors or {}
+    for name in ref:
+        if ref[name] is None:
+            assert got[name] is None, name
+            continue
+        a, r = got[name].float(), ref[name].float()
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        assert torch.isfinite(a).all(), f"{name} is not finite"
+        scale = max(r.abs().max().item(), floors.get(name, 0.0))
+        err = (a - r).abs().max().item()
+        assert scale > 0, f"{name}: reference is identically zero, the comparison would be vacuous"
+        assert err <= tol * scale, f"{name}: max abs err {err:.3e} > {tol:g} * {scale:.3e}"
+
+
+CPU_CASES = [
+    # head_first, B, T, H, K, V, use_h0, output_final_state, use_dht
+    pytest.param(True, 2, 100, 1, 32, 32, True, True, True, id="hf-T100-h0-dht"),
+    pytest.param(False, 1, 100, 2, 32, 32, True, True, False, id="thd-T100-h0-ht-no-dht"),
+    pytest.param(True, 1, 67, 2, 64, 48, False, True, True, id="hf-T67-V48-dht"),
+    pytest.param(False, 1, 45, 1, 80, 100, True, True, True, id="thd-T45-K80-V100-multiblock"),
+    pytest.param(False, 2, 130, 1, 16, 64, False, False, False, id="thd-T130-K16-plain"),
+    pytest.param(True, 1, 32, 1, 32, 16, True, True, True, id="hf-T32-exact-chunks"),
+    pytest.param(True, 2, 5, 1, 32, 32, True, True, True, id="hf-T5-shorter-than-chunk"),
+    pytest.param(False, 1, 1, 2, 32, 32, True, True, True, id="thd-T1"),
+]
+
+
+@pytest.mark.parametrize("head_first,B,T,H,K,V,use_h0,output_final_state,use_dht", CPU_CASES)
+def test_matches_reference(head_first, B, T, H, K, V, use_h0, output_final_state, use_dht):
+    inp = make_inputs(B, T, H, K, V, use_h0=use_h0, seed=T + K)
+    kw = dict(output_final_state=output_final_state, use_dht=use_dht)
+    assert_matches(fused(inp, head_first=head_first, **kw), reference(inp, **kw))
+
+
+@pytest.mark.parametrize("head_first,gate", [(True, "strong"), (False, "extreme")])
+def test_strongly_negative_gates(head_first, gate):
+    """Log decays of -5 per token and below: every exponent must stay <= 0 (no inf/NaN).
+
+    With -30 per token only each token's own term survives, and the true dg, the difference
+    q*dq - k*dk of two O(1) terms, is about 1e-11: its error is measured against q*dq.
+    """
+    inp = make_inputs(1, 75, 2, 32, 32, gate=gate, seed=3)
+    ref = reference(inp)
+    floors = {"dg": (inp["q"] * ref["dq"]).abs().max().item()} if gate == "extreme" else None
+    assert_matches(fused(inp, head_first=head_first), ref, floors=floors)
+
+
+def test_explicit_scale():
+    inp = make_inputs(1, 40, 1, 32, 32, seed=4)
+    assert_matches(fused(inp, head_first=False, scale=0.3), reference(inp, scale=0.3))
+
+
+def test_default_scale_spellings_agree():
+    inp = make_inputs(1, 20, 1, 32, 32, use_h0=False, seed=5)
+    args = [inp[n] for n in ("q", "k", "v", "g")]
+    o_minus1, _ = fused_chunk_gla(*args, scale=-1, head_first=False)
+    o_none, _ = fused_chunk_gla(*args, scale=None, head_first=False)
+    o_explicit, _ = fused_chunk_gla(*args, scale=32 ** -0.5, head_first=False)
+    o_other, _ = fused_chunk_gla(*args, scale=1.0, head_first=False)
+    torch.testing.assert_close(o_minus1, o_explicit, rtol=0, atol=0)
+    torch.testing.assert_close(o_none, o_explicit, rtol=0, atol=0)
+    assert not torch.allclose(o_other, o_explicit)
+
+
+def test_fp16_inputs():
+    """fp16 in, fp16 out; accumulation in fp32 keeps it close to the fp32 reference."""
+    inp = make_inputs(1, 50, 1, 32, 32, dtype=torch.float16, seed=6)
+    got = fused(inp, head_first=True)
+    assert got["dq"].dtype == torch.float16 and got["dh0"].dtype == torch.float16
+    assert_matches(got, reference(inp), tol=1e-2)
+
+
+def test_no_grad_forward():
+    inp = make_inputs(1, 30, 1, 32, 32, seed=7)
+    with torch.no_grad():
+        o, ht = fused_chunk_gla(inp["q"], inp["k"], inp["v"], inp["g"], initial_state=inp["h0"],
+                                output_final_state=True, head_first=False)
+    ref = reference(inp)
+    assert_matches({"o": o, "final_state": ht}, {"o": ref["o"], "final_state": ref["final_state"]})
+
+
+def _bad_call_cases():
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    good = dict(q=torch.randn(B, H, T, K), k=torch.randn(B, H, T, K), v=torch.randn(B, H, T, V),
+                g=-torch.rand(B, H, T, K), initial_state=torch.randn(B, H, K, V))
+    thd = {n: x.transpose(1, 2).contiguous() for n, x in good.items() if n != "initial_state"}
+    return [
+        pytest.param(dict(q=torch.randn(B, T, K)), {}, ValueError, r"^q must be 4-D", id="q-3d"),
+        pytest.param(dict(k=torch.randn(B, H, T + 1, K)), {}, ValueError, r"^k must have shape", id="k-T"),
+        pytest.param(dict(v=torch.randn(B, H, T - 1, V)), {}, ValueError, r"^v must have shape", id="v-T"),
+        pytest.param(dict(g=torch.randn(B, H, T, K + 1)), {}, ValueError, r"^g must have shape", id="g-K"),
+        pytest.param(dict(initial_state=torch.randn(B, H, V + 1, K)), {}, ValueError, r"^initial_state must",
+                     id="h0-shape"),
+        pytest.param({**thd, "initial_state": good["initial_state"]}, {}, ValueError, r"^initial_state must",
+                     id="thd-tensors-with-head_first"),
+        pytest.param(dict(k=good["k"].half()), {}, TypeError, r"share one dtype", id="k-dtype"),
+        pytest.param(dict(q=good["q"].long()), {}, TypeError, r"^q must have dtype", id="q-int"),
+        pytest.param({}, dict(scale=0.0), ValueError, r"^scale must", id="scale-zero"),
+        pytest.param({}, dict(scale="1"), TypeError, r"^scale must", id="scale-str"),
+        pytest.param({}, dict(head_first=1), TypeError, r"^head_first must", id="head_first-int"),
+        pytest.param({}, dict(output_final_state=None), TypeError, r"^output_final_state must", id="ofs-none"),
+    ], good
+
+
+BAD_CASES, GOOD_ARGS = _bad_call_cases()
+
+
+@pytest.mark.parametrize("tensors,options,error,match", BAD_CASES)
+def test_bad_input_raises_naming_the_argument(tensors, options, error, match):
+    args = {**GOOD_ARGS, **tensors}
+    with pytest.raises(error, match=match):
+        fused_chunk_gla(args["q"], args["k"], args["v"], args["g"], initial_state=args["initial_state"],
+                        **options)
+
+
+def test_good_arguments_of_bad_input_cases_run():
+    """The bad-input cases differ from a valid call only in the broken argument."""
+    o, ht = fused_chunk_gla(GOOD_ARGS["q"], GOOD_ARGS["k"], GOOD_ARGS["v"], GOOD_ARGS["g"],
+                            initial_state=GOOD_ARGS["initial_state"], output_final_state=True)
+    assert o.shape == GOOD_ARGS["v"].shape and torch.isfinite(o).all() and torch.isfinite(ht).all()
+
+
+# --------------------------------------------------------------------------------------
+# GPU: real sizes, bf16. Errors are measured against the fp32 reference fed the same
+# (rounded) inputs.
+
+
+def assert_close_ratio(got, ref, *, ratio):
+    """bf16: RMS error below `ratio` times the reference's RMS, for every output/gradient."""
+    for name in ref:
+        if ref[name] is None:
+            continue
+        a, r = got[name].float(), ref[name].float()
+        assert torch.isfinite(a).all(), f"{name} is not finite"
+        rel = ((a - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
+        assert rel <= ratio, f"{name}: rms err ratio {rel:.3e} > {ratio:g}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("head_first,dtype,T,K,V,gate", [
+    pytest.param(False, torch.bfloat16, 8192, 128, 128, "logsigmoid", id="bf16-T8192"),
+    pytest.param(True, torch.bfloat16, 1000, 128, 128, "strong", id="bf16-T1000-strong-hf"),
+    pytest.param(False, torch.bfloat16, 777, 256, 256, "logsigmoid", id="bf16-T777-K256"),
+    pytest.param(True, torch.float32, 8192, 128, 128, "logsigmoid", id="fp32-T8192-hf"),
+    pytest.param(False, torch.float32, 1000, 128, 128, "strong", id="fp32-T1000-strong"),
+])
+def test_gpu_matches_reference(head_first, dtype, T, K, V, gate):
+    inp = make_inputs(1, T, 2, K, V, gate=gate, dtype=dtype, device="cuda", seed=11)
+    got = fused(inp, head_first=head_first)
+    ref = reference(inp)
+    if dtype == torch.float32:
+        assert_matches(got, ref, tol=1e-4)
+    else:
+        assert_close_ratio(got, ref, ratio=1e-2)
