@@ -162,6 +162,18 @@ def test_no_grad_forward():
     assert_matches({"o": o, "final_state": ht}, {"o": ref["o"], "final_state": ref["final_state"]})
 
 
+def test_frozen_initial_state_and_gate():
+    """Gradients reach q, k, v only when h0 and g do not require grad; h0 still shapes them."""
+    inp = make_inputs(1, 40, 1, 32, 32, seed=8)
+    ref = reference(inp, output_final_state=False, use_dht=False)
+    q, k, v = (inp[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    o, _ = fused_chunk_gla(q, k, v, inp["g"], initial_state=inp["h0"], head_first=False)
+    (o * inp["do"]).sum().backward()
+    assert inp["g"].grad is None and inp["h0"].grad is None
+    got = {"o": o, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    assert_matches(got, {n: ref[n] for n in got})
+
+
 def _bad_call_cases():
     B, T, H, K, V = 1, 20, 2, 16, 16
     good = dict(q=torch.randn(B, H, T, K), k=torch.randn(B, H, T, K), v=torch.randn(B, H, T, V),
