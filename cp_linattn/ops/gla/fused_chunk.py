@@ -283,6 +283,11 @@ def _launch_config(K: int, V: int, dtype: torch.dtype) -> dict:
     )
 
 
+def _sum_blocks(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum the per-block shares on dim 0 (a view when there is one block), cast to `dtype`."""
+    return (x[0] if x.shape[0] == 1 else x.sum(0)).to(dtype)
+
+
 def _shape(x: torch.Tensor, head_first: bool) -> tuple[int, int, int, int]:
     """(B, T, H, D) of a `[B, H, T, D]` (head_first) or `[B, T, H, D]` tensor."""
     if head_first:
@@ -317,7 +322,7 @@ def fused_chunk_gla_fwd(
         B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg,
     )
-    return (o[0] if NK == 1 else o.sum(0).to(v.dtype)), ht
+    return _sum_blocks(o, v.dtype), ht
 
 
 def fused_chunk_gla_bwd(
@@ -347,9 +352,8 @@ def fused_chunk_gla_bwd(
         B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
         USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg,
     )
-    dq, dk, dg = (x.sum(0) for x in (dq, dk, dg))
-    dv = dv.sum(0)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
+    return (_sum_blocks(dq, q.dtype), _sum_blocks(dk, k.dtype), _sum_blocks(dv, v.dtype),
+            _sum_blocks(dg, g.dtype), dh0)
 
 
 class FusedChunkGLAFunction(torch.autograd.Function):
