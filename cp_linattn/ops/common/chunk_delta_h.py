@@ -1,0 +1,308 @@
+"""Inter-chunk state recurrence of the gated delta rule (KDA), forward and backward.
+
+Per chunk of BT tokens of one sequence and value head, with gk the chunk-local cumsum of the
+log gate, gk_last its value at the chunk's last token, h the fp32 state `[K, V]` entering the
+chunk and the WY quantities of the chunk (see `cp_linattn.ops.kda.wy`):
+
+    v_new  = u - w h                                   [BT, V]
+    h_next = Diag(exp gk_last) h + kg^T v_new          kg = k * exp(gk_last - gk)
+
+The backward walks the chunks in reverse with dh the gradient of the state leaving a chunk:
+
+    dv2     = dv + kg dh                               (dv: gradient of v_new from the outputs)
+    dh_prev = Diag(exp gk_last) dh + scale * qg^T do - w^T dv2
+
+One program owns a `[K, BV]` slice of one (sequence, head) state (the whole key dimension,
+because `w h` contracts over it), keeps it in fp32 registers and walks the chunks; the states
+leave registers only as the per-chunk snapshots the chunk kernels read. All exponents are
+`<= 0` (gk is non-increasing inside a chunk), so no decay strength overflows.
+
+Both functions work on any fragment of a sequence and for any V, including V == K with
+u = 0 and an identity initial state, which gives the fragment's K x K transition matrix
+(what the context-parallel runtime needs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
+
+
+@triton.jit
+def sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first token, length, index of the first chunk in the h tensors) of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+        first_chunk = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, seq_len, first_chunk
+
+
+@triton.jit
+def chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """For program chunk i_t of batch row i_b: (first token of its sequence, the sequence's
+    length, first token of the chunk within the sequence, index of the chunk in h tensors)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        state_index = i_t.to(tl.int64)
+    else:
+        i_c = i_t.to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+        seq_len = T
+        state_index = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    return bos, seq_len, (i_c * BT).to(tl.int32), state_index
+
+
+@triton.jit
+def delta_rule_fwd_h_kernel(
+    kg, w, u, gk, h, v_new, h0, ht,
+    cu_seqlens, chunk_offsets,
+    T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos, seq_len, first_chunk = sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    h_offs = o_k[:, None] * V + o_v[None, :]
+    if STATE_V_FIRST:
+        state_offs = o_v[None, :] * K + o_k[:, None]
+    else:
+        state_offs = h_offs
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+
+    n_chunks = tl.cdiv(seq_len, BT)
+    # A while loop: the interpreter cannot take a loaded length as a range() bound.
+    i_t = tl.zeros([], dtype=tl.int32)
+    while i_t < n_chunks:
+        tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < seq_len
+        rows = (bos + o_t) * HV + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+        b_u = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
+        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
+        tl.store(v_new + rows[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+        last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
+        b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
+        b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
+            tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
+        i_t += 1
+
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
+
+
+@triton.jit
+def delta_rule_bwd_dhu_kernel(
+    qg, kg, w, gk, do, dv, dh, dv2, dht, dh0,
+    cu_seqlens, chunk_offsets,
+    scale, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Writes dh (gradient of the state leaving each chunk) and dv2; grid like the forward."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos, seq_len, first_chunk = sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    h_offs = o_k[:, None] * V + o_v[None, :]
+    if STATE_V_FIRST:
+        state_offs = o_v[None, :] * K + o_k[:, None]
+    else:
+        state_offs = h_offs
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+
+    n_chunks = tl.cdiv(seq_len, BT)
+    i_t = n_chunks - 1
+    while i_t >= 0:
+        tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < seq_len
+        rows = (bos + o_t) * HV + i_h
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+        b_dv = tl.load(dv + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
+        b_dv2 = b_dv + tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PREC)
+        tl.store(dv2 + rows[:, None] * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
+        b_qg = tl.load(qg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+        b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(b_qg.dtype)
+        last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
+        b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
+        b_dh = b_dh * tl.exp(b_g_last)[:, None]
+        b_dh += scale * tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype), input_precision=DOT_PREC)
+        i_t -= 1
+
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
+
+
+def delta_state_block_sizes(K: int, V: int) -> tuple[int, int]:
+    """The whole (power-of-two padded) key dim per program; the value dim is split so the
+    fp32 state slice stays at <= 8192 elements (32 KiB of registers)."""
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
+    return BK, BV
+
+
+def _sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
+    """(N, total chunks, chunk_offsets) of a [B, T, ...] batch or a packed one."""
+    B, T = x.shape[:2]
+    if cu_seqlens is None:
+        return B, B * triton.cdiv(T, chunk_size), None
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+    n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
+    return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
+
+
+def chunk_delta_rule_fwd_h(
+    kg: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    gk: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """States entering every chunk of the gated delta rule, the new values, the final states.
+
+    Args:
+        kg: `[B, T, HV, K]`, `k * exp(gk_last - gk)` per chunk; w: `[B, T, HV, K]` (one dtype).
+        u: `[B, T, HV, V]` (any float dtype; V may equal K for the transition matrix).
+        gk: `[B, T, HV, K]` fp32 chunk-local cumsum of the log gate (chunks of `chunk_size`).
+        initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), read as fp32.
+        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1); else N = B.
+        chunk_indices, chunk_offsets: optional `prepare_chunk_indices` / `prepare_chunk_offsets`
+            of cu_seqlens, to skip host work.
+
+    Returns:
+        h: fp32 `[B, NT, HV, K, V]` (always K-first), h[:, c] the state entering chunk c (NT:
+            chunks per row, or all chunks of the packed batch);
+        v_new: `[B, T, HV, V]` in u's dtype, `u - w h`;
+        final_state: fp32 `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) or None.
+    """
+    B, T, HV, K = kg.shape
+    V = u.shape[-1]
+    check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
+    check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
+    check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
+    N, NT, chunk_offsets = _sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state,
+                     shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=kg.device)
+        initial_state = initial_state.contiguous()
+    kg, w, u, gk = kg.contiguous(), w.to(kg.dtype).contiguous(), u.contiguous(), gk.contiguous()
+    h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32)
+    v_new = torch.empty_like(u)
+    final_state = None
+    if output_final_state:
+        final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
+    BK, BV = delta_state_block_sizes(K, V)
+    if N * HV > 0:
+        delta_rule_fwd_h_kernel[(triton.cdiv(V, BV), N * HV)](
+            kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
+            HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STATE_V_FIRST=state_v_first,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype),
+        )
+    return h, v_new, final_state
+
+
+def chunk_delta_rule_bwd_dhu(
+    qg: torch.Tensor,
+    kg: torch.Tensor,
+    w: torch.Tensor,
+    gk: torch.Tensor,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    dht: torch.Tensor | None = None,
+    need_dh0: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reverse recurrence of the gated delta rule, for outputs `o = scale * qg h + (intra)`.
+
+    Args:
+        qg: `[B, T, HV, K]` `q * exp(gk)` (without scale); kg, w, gk as in `chunk_delta_rule_fwd_h`.
+        do: `[B, T, HV, V]` output gradient; dv: `[B, T, HV, V]` gradient of v_new from the
+            intra-chunk outputs (`Aqk^T do`).
+        dht: optional gradient of the final states (layout as the states), read as fp32.
+
+    Returns:
+        dh: fp32 `[B, NT, HV, K, V]`, dh[:, c] the gradient w.r.t. the state LEAVING chunk c
+            (from all later outputs and dht), K-first;
+        dh0: fp32 gradient of the initial states (layout as the states) or None;
+        dv2: fp32 `[B, T, HV, V]`, the total gradient of v_new (`dv + kg dh`).
+    """
+    B, T, HV, K = qg.shape
+    V = do.shape[-1]
+    for name, x in (("kg", kg), ("w", w), ("gk", gk)):
+        check_tensor(name, x, shape=(B, T, HV, K), device=qg.device)
+    check_tensor("do", do, shape=(B, T, HV, None), device=qg.device)
+    check_tensor("dv", dv, shape=(B, T, HV, V), device=qg.device)
+    N, NT, chunk_offsets = _sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    if dht is not None:
+        check_tensor("dht", dht, shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=qg.device)
+        dht = dht.contiguous()
+    qg, kg, w = qg.contiguous(), kg.to(qg.dtype).contiguous(), w.to(qg.dtype).contiguous()
+    gk, do, dv = gk.float().contiguous(), do.contiguous(), dv.contiguous()
+    dh = qg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32)
+    dv2 = torch.empty_like(dv, dtype=torch.float32)
+    dh0 = None
+    if need_dh0:
+        dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
+    BK, BV = delta_state_block_sizes(K, V)
+    if N * HV > 0:
+        delta_rule_bwd_dhu_kernel[(triton.cdiv(V, BV), N * HV)](
+            qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
+            HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STATE_V_FIRST=state_v_first,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype),
+        )
+    return dh, dh0, dv2
+

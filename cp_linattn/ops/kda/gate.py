@@ -1,0 +1,150 @@
+"""KDA's in-kernel gate fused with the chunk-local cumsum, and its backward.
+
+From the raw gate input x = g + dt_bias (per value head and key channel) the log decay is
+
+    default       a = -exp(A_log) * softplus(x)
+    lower bound   a = lower_bound * sigmoid(exp(A_log) * x)   (or sigmoid(x) without A_log)
+
+and the chunk kernels need its chunk-local cumsum. One kernel computes both; its backward
+takes the gradient of the cumsum, reverse-cumsums it inside the chunk (the gradient of a)
+and applies the activation's derivative, also emitting per-chunk partial sums for the
+A_log and dt_bias gradients (reduced over chunks on the host side: tiny tensors).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.common.chunk_delta_h import chunk_span
+
+
+@triton.jit
+def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A: tl.constexpr):
+    """(gate, d gate / d x, d gate / d A_log) for raw inputs b_x [BT, BK] and A_log b_A []."""
+    if LOWER_BOUND:
+        if HAS_A:
+            b_scale = tl.exp(b_A)
+        else:
+            b_scale = 1.0
+        b_s = tl.sigmoid(b_scale * b_x)
+        b_gate = lower_bound * b_s
+        b_dsig = lower_bound * b_s * (1 - b_s)
+        b_dx = b_dsig * b_scale
+        b_dA = b_dsig * b_scale * b_x
+    else:
+        b_neg_a = -tl.exp(b_A)
+        # max(x, 0) + log(1 + exp(-|x|)) cannot overflow for any x
+        b_sp = tl.maximum(b_x, 0) + tl.log(1 + tl.exp(-tl.abs(b_x)))
+        # F.softplus (the reference) switches to the identity above 20
+        b_sp = tl.where(b_x > 20.0, b_x, b_sp)
+        b_gate = b_neg_a * b_sp
+        b_dx = b_neg_a * tl.where(b_x > 20.0, 1.0, tl.sigmoid(b_x))
+        b_dA = b_gate
+    return b_gate, b_dx, b_dA
+
+
+@triton.jit
+def kda_gate_cumsum_kernel(
+    g, A_log, dt_bias, g_cum, dg_cum, dg, dA_part, dbias_part,
+    cu_seqlens, chunk_indices,
+    lower_bound, T,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER_BOUND: tl.constexpr,
+    BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Forward: g_cum = cumsum_in_chunk(gate(g)). Backward: dg = gate'(g) * reverse_cumsum(dg_cum),
+    plus per-chunk sums over tokens for dA_log/dt_bias `[NT_all, HV, K]`.
+    Grid (cdiv(K, BK), NT_all, B * HV)."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, seq_len, t0, chunk_id = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m = (o_t[:, None] < seq_len) & m_k[None, :]
+    offs = ((bos + o_t[:, None]) * HV + i_h) * K + o_k[None, :]
+    b_x = tl.load(g + offs, mask=m, other=0).to(tl.float32)
+    if HAS_BIAS:
+        b_x += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+    if HAS_A:
+        b_A = tl.load(A_log + i_h).to(tl.float32)
+    else:
+        b_A = 0.0
+    b_gate, b_dx, b_dA = kda_gate_activation(b_x, b_A, LOWER_BOUND, lower_bound, HAS_A)
+    if BACKWARD:
+        b_dc = tl.load(dg_cum + offs, mask=m, other=0).to(tl.float32)
+        b_dgate = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+        b_dg = tl.where(m, b_dgate * b_dx, 0)
+        tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
+        part_offs = (chunk_id * HV + i_h) * K + o_k
+        tl.store(dbias_part + part_offs, tl.sum(b_dg, axis=0), mask=m_k)
+        tl.store(dA_part + part_offs, tl.sum(tl.where(m, b_dgate * b_dA, 0), axis=0), mask=m_k)
+    else:
+        b_cum = tl.cumsum(tl.where(m, b_gate, 0), axis=0)
+        tl.store(g_cum + offs, b_cum, mask=m)
+
+
+def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, **buffers):
+    B, T, HV, K = g.shape
+    NT = B * triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(K, BK), NT // B if cu_seqlens is None else NT, B * HV)
+    if NT > 0:
+        kda_gate_cumsum_kernel[grid](
+            g.contiguous(), A_log.contiguous() if A_log is not None else None,
+            dt_bias.contiguous() if dt_bias is not None else None, buffers.get("g_cum"), buffers.get("dg_cum"), buffers.get("dg"),
+            buffers.get("dA_part"), buffers.get("dbias_part"), cu_seqlens, chunk_indices,
+            float(lower_bound) if lower_bound is not None else 0.0, T,
+            HV=HV, K=K, BT=chunk_size, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+            LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
+        )
+    return NT
+
+
+def kda_gate_chunk_cumsum(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunk-local cumsum of the in-kernel KDA gate.
+
+    g: raw gate input `[B, T, HV, K]` (any float dtype); A_log: `[HV]` (None only with
+    lower_bound); dt_bias: `[HV * K]` or None; lower_bound: selects the sigmoid gate.
+    chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
+    Returns fp32 `[B, T, HV, K]`.
+    """
+    g_cum = torch.empty_like(g, dtype=torch.float32)
+    _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, g_cum=g_cum)
+    return g_cum
+
+
+def kda_gate_chunk_cumsum_bwd(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dg_cum: torch.Tensor,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of `kda_gate_chunk_cumsum` given dg_cum fp32 `[B, T, HV, K]`.
+
+    Returns dg (g's dtype, `[B, T, HV, K]`), dA_log (A_log's dtype, `[HV]`, or None) and
+    d dt_bias (dt_bias's dtype and shape, or None).
+    """
+    B, T, HV, K = g.shape
+    NT = B * triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    dg = torch.empty_like(g, dtype=torch.float32)
+    dA_part = g.new_empty(NT, HV, K, dtype=torch.float32)
+    dbias_part = g.new_empty(NT, HV, K, dtype=torch.float32)
+    _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices,
+            dg_cum=dg_cum.contiguous(), dg=dg, dA_part=dA_part, dbias_part=dbias_part)
+    dA = dA_part.sum((0, 2)).to(A_log.dtype).view_as(A_log) if A_log is not None else None
+    dbias = dbias_part.sum(0).to(dt_bias.dtype).view_as(dt_bias) if dt_bias is not None else None
+    return dg.to(g.dtype), dA, dbias
