@@ -1,0 +1,132 @@
+"""Transports for CP boundary states over any torch.distributed backend.
+
+Two ways to move one small state per rank:
+
+- `all_gather_tensor`: every rank gets every rank's tensor (LASP-2 style, the default).
+- `send_recv_chain`: point-to-point messages along the chain of ranks that share a
+  sequence (LASP-1 style): a rank receives the already-folded state from its neighbour,
+  lets the caller fold its own fragment in, and passes the result on.
+
+Backends: NCCL moves CUDA tensors, gloo moves CPU tensors. Tensors on the other kind of
+device are staged (copied to a device the backend accepts and back), so a caller never
+needs to know the backend: CUDA tensors over gloo (one GPU shared by several ranks)
+travel through the CPU, CPU tensors over NCCL travel through the current CUDA device.
+
+None of these functions is differentiable: they run inside the forward/backward of our
+autograd Functions on detached tensors, and their outputs carry no autograd history.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from cp_linattn.ops.utils import check_option
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from cp_linattn.cp.context import FLACPContext
+
+# torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same call).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def backend_for(group: ProcessGroup | None, device_type: str) -> str:
+    """Name of the backend that `group` uses for tensors on `device_type` ("cpu", "cuda").
+
+    `dist.get_backend` answers "nccl", "gloo" or, for a group with one backend per device,
+    "cpu:gloo,cuda:nccl".
+    """
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(item.split(":", 1) for item in name.split(","))
+    return per_device.get(device_type, name)
+
+
+def wire_device(backend: str, device: torch.device) -> torch.device:
+    """The device a tensor living on `device` must be copied to before `backend` can move it."""
+    if backend == "gloo" and device.type != "cpu":
+        return torch.device("cpu")
+    if backend == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _to_wire(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return x.detach().to(wire_device(backend_for(group, x.device.type), x.device)).contiguous()
+
+
+def all_gather_tensor(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Gather `x` from every rank of `group`.
+
+    x: any shape and dtype, the same on every rank. Returns `[world_size, *x.shape]` on
+    `x.device`, row r holding rank r's tensor (r = rank within `group`). Uses the flat
+    all-gather (gloo needs the output concatenated on dim 0). Not differentiable.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    world_size = dist.get_world_size(group)
+    wire = _to_wire(x, group)
+    out = torch.empty((world_size * wire.numel(),), dtype=wire.dtype, device=wire.device)
+    _all_gather_flat(out, wire.reshape(-1), group=group)
+    return out.view(world_size, *x.shape).to(x.device)
+
+
+def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+
+
+def send_recv_chain(
+    step: Callable[[torch.Tensor | None], torch.Tensor],
+    context: FLACPContext,
+    *,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    direction: str = "forward",
+) -> torch.Tensor | None:
+    """Fold a state along the chain of ranks that share a sequence, one hop at a time.
+
+    direction="forward" (the state of the first local sequence, LASP-1 style):
+      1. if `context.pre_num_ranks > 0`, receive the state from rank - 1, else None;
+      2. if `context.post_num_ranks > 0`, call `step(received)` and send its result to rank + 1.
+    direction="backward" mirrors it (the gradient of the last local sequence): receive from
+    rank + 1 when `post_num_ranks > 0`, send `step(received)` to rank - 1 when `pre_num_ranks > 0`.
+
+    For the forward fold, `step(S_in)` returns this rank's outgoing state
+    `M_r S_in + S_ext_r` when its first and last local sequences are one sequence
+    (`context.num_seqs == 1`), else just `S_ext_r` (its last sequence starts here);
+    S_in is None when nothing was received. Messages go only between ranks sharing a
+    sequence, so a rank whose first sequence starts locally never waits.
+
+    shape, dtype: of every message (e.g. `[H, K, V]` float32), the same on every rank.
+    `step` is called only on ranks that send, after their receive; it must return a tensor
+    of exactly `shape` and `dtype`. Messages are staged to and from `context.device`.
+    Returns the received tensor on `context.device`, or None. Not differentiable.
+    """
+    check_option("direction", direction, ("forward", "backward"))
+    shape = tuple(int(s) for s in shape)
+    has_prev, has_next = context.pre_num_ranks > 0, context.post_num_ranks > 0
+    if direction == "forward":
+        src = context.rank - 1 if has_prev else None
+        dst = context.rank + 1 if has_next else None
+    else:
+        src = context.rank + 1 if has_next else None
+        dst = context.rank - 1 if has_prev else None
+    group = context.group
+
+    received = None
+    if src is not None:
+        buf = torch.empty(shape, dtype=dtype, device=wire_device(backend_for(group, context.device.type), context.device))
+        dist.recv(buf, src=_global_rank(group, src), group=group)
+        received = buf.to(context.device)
+    if dst is not None:
+        out = step(received)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"send_recv_chain: step must return a tensor of shape {shape} and dtype {dtype}, got {got}")
+        dist.send(_to_wire(out, group), dst=_global_rank(group, dst), group=group)
+    return received
