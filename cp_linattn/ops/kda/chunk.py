@@ -1,0 +1,162 @@
+"""`chunk_kda`: chunked Kimi Delta Attention (forward `chunk_fwd`, backward `chunk_bwd`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
+from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
+from cp_linattn.ops.kda.wy import CHUNK_SIZE
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
+
+MAX_HEAD_DIM = 256
+SAFE_LOWER_BOUND = -5.0
+RECOMPUTED = ("gk", "w", "qg", "kg", "h", "v_new")
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute, state_v_first,
+                cu_seqlens):
+        chunk_indices = chunk_offsets = None
+        if cu_seqlens is not None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
+            chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+        qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if use_qk_l2norm_in_kernel else (q, k)
+        o, final_state, saved = chunk_kda_fwd(
+            qn, kn, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log, dt_bias,
+            lower_bound, state_v_first, cu_seqlens, chunk_indices, chunk_offsets,
+        )
+        kept = [saved[n] for n in RECOMPUTED] if disable_recompute else []
+        normed = [qn, kn] if disable_recompute and use_qk_l2norm_in_kernel else []
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                              chunk_offsets, saved["Aqk"], saved["Akk"], *kept, *normed)
+        ctx.options = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute,
+                       state_v_first)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
+         *rest) = ctx.saved_tensors
+        scale, use_l2norm, use_gate, lower_bound, disable_recompute, state_v_first = ctx.options
+        saved = dict(Aqk=Aqk, Akk=Akk)
+        if disable_recompute:
+            saved.update(zip(RECOMPUTED, rest))
+        if use_l2norm:
+            qn, kn = rest[len(RECOMPUTED):] if disable_recompute else (l2norm_fwd(q), l2norm_fwd(k))
+        else:
+            qn, kn = q, k
+        dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
+            qn, kn, v, g, beta, scale, do, dht, initial_state, saved, use_gate, A_log, dt_bias, lower_bound,
+            state_v_first, cu_seqlens, chunk_indices, chunk_offsets,
+        )
+        if use_l2norm:
+            dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dA_log,
+                ddt_bias, dh0.to(initial_state.dtype) if dh0 is not None else None,
+                None, None, None, None, None, None, None, None)
+
+
+def _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound) -> None:
+    """KDA-specific argument checks (gate parameters, head dims)."""
+    if max(dims.K, dims.V) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}, got K={dims.K} (q.shape[3]), V={dims.V} (v.shape[3])")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) \
+                or not (math.isfinite(lower_bound) and lower_bound < 0):
+            raise ValueError(f"lower_bound must be a negative finite number or None, got {lower_bound!r}")
+    if not use_gate_in_kernel:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True, got a tensor with "
+                                 f"use_gate_in_kernel=False")
+        return
+    if A_log is None and lower_bound is None:
+        raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is None, got None")
+    if A_log is not None:
+        check_tensor("A_log", A_log, device=g.device)
+        if A_log.numel() != dims.HV:
+            raise ValueError(f"A_log must have HV={dims.HV} elements, got shape {list(A_log.shape)}")
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, device=g.device)
+        if dt_bias.numel() != dims.HV * dims.K:
+            raise ValueError(f"dt_bias must have HV*K={dims.HV * dims.K} elements, got shape {list(dt_bias.shape)}")
+    if safe_gate:
+        if lower_bound is None:
+            raise ValueError("lower_bound must be given when safe_gate=True and use_gate_in_kernel=True, got None")
+        if not SAFE_LOWER_BOUND <= lower_bound < 0:
+            raise ValueError(f"lower_bound must be in [{SAFE_LOWER_BOUND}, 0) with safe_gate=True, got {lower_bound}")
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cp_context=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention, chunked: `S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T`,
+    `o_t = scale * S_t^T q_t`. Keyword compatible with `fla.ops.kda.chunk_kda` for these arguments.
+
+    Args:
+        q, k: `[B, T, H, K]`; v: `[B, T, HV, V]` with HV a multiple of H (GVA: value head j
+            reads q/k head j // (HV / H)); fp32, fp16 or bf16, one dtype. K, V <= 256.
+        g: `[B, T, HV, K]` log-space (natural log) per-channel decay, <= 0; with
+            `use_gate_in_kernel` the raw gate input instead.
+        beta: `[B, T, HV]` delta-rule step sizes (post-sigmoid).
+        scale: defaults to K ** -0.5.
+        initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), read as fp32.
+        output_final_state: also return the fp32 final states (same layout).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K (eps 1e-6) inside the op.
+        use_gate_in_kernel: g is raw; the decay is `-exp(A_log) * softplus(g + dt_bias)`, or with
+            `lower_bound` `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (A_log may then
+            be None: `lower_bound * sigmoid(g + dt_bias)`). A_log `[HV]`, dt_bias `[HV * K]`.
+        safe_gate: with the in-kernel gate, requires `lower_bound` in [-5, 0). The kernels
+            always use the exact overflow-free path (see `ops/kda/wy.py`), so this only
+            validates; without the in-kernel gate it has no effect.
+        disable_recompute: keep w, u, qg, kg, h, v_new (and the normalised q, k) for the
+            backward instead of recomputing them: more memory, identical gradients.
+        state_v_first: states stored `[V, K]` per head.
+        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cp_context: context parallelism; not wired yet (NotImplementedError if given).
+
+    Numerics: the delta rule is only stable when `beta_t * |k_t|^2 <= 2` (each update
+    `I - beta k k^T` must be a contraction); with beta near 1 that needs L2-normalised keys.
+    Pass normalised k or set `use_qk_l2norm_in_kernel=True`: with large unnormalised keys the
+    states (and the `(I + Akk)^-1` of each chunk) grow exponentially and overflow. Gates of
+    any strength are safe: no exponent of a gate difference is ever positive.
+
+    Returns:
+        o `[B, T, HV, V]` in v's dtype and the final state (fp32) or None.
+    """
+    if cp_context is not None:
+        raise NotImplementedError("chunk_kda with cp_context is not supported yet (the CP runtime wires it)")
+    dims = check_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, allow_gva=True,
+                        state_v_first=state_v_first)
+    scale = check_scale(scale, dims.K)
+    _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
+    if not use_gate_in_kernel:
+        lower_bound = None
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    return ChunkKDAFunction.apply(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, None if lower_bound is None else float(lower_bound), disable_recompute, state_v_first,
+        cu_seqlens,
+    )

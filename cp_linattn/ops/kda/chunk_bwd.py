@@ -1,0 +1,358 @@
+"""Chunked KDA backward.
+
+Per chunk (notation of `cp_linattn.ops.kda.wy`; h / dh the state entering / the gradient
+of the state leaving the chunk, dv2 the total gradient of v_new):
+
+1. `kda_bwd_dAv`: dS = scale * do v_new^T (lower incl. diagonal), the gradient of the
+   unscaled scores `S_ij = sum_c q_ic k_jc exp(gk_ic - gk_jc)`, and dv = Aqk^T do.
+2. `chunk_delta_rule_bwd_dhu`: dh per chunk, dh0, dv2 = dv + kg dh.
+3. `kda_bwd_wy_dqkg`: the inter-chunk and WY terms
+       dq  = scale * (do h^T) exp(gk)               from o = scale * qg h
+       dk  = (v_new dh^T) exp(gk_last - gk)          from h_next = ... + kg^T v_new
+       dgk_last += exp(gk_last) * rowsum(h * dh) + sum_t k dk
+       dA  = dv2 (beta v)^T - dv2 h^T (beta k exp(gk))^T   (w = A kb, u = A (beta v))
+       dv  = beta * A^T dv2,  dkb = -A^T (dv2 h^T) -> dk, dbeta, dgk
+       dL  = -(A^T dA A^T) restricted to the strictly lower part (L = Akk before inversion)
+4. `kda_bwd_intra`: the gradients through S and L, in sub-chunks of 16 with the same
+   overflow-free reference points as the forward (first row of the sub-chunk for the columns
+   before it, last row for the rows after it, exact pairs inside the diagonal blocks).
+5. dg = reverse chunk-local cumsum of dgk (the gk are cumsums of g), then the in-kernel
+   gate's backward if any; dq, dk are summed over each GVA group.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h, chunk_span
+from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
+from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, head_block_size, kda_intra_wy_fwd
+
+
+@triton.jit
+def kda_bwd_dAv_kernel(
+    v_new, Aqk, do, dS, dv,
+    cu_seqlens, chunk_indices,
+    scale, T,
+    HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dS = scale * do v_new^T (i >= j), dv = Aqk^T do; grid (NT, B * HV)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    o_c = tl.arange(0, BT)
+    m_c = o_c < seq_len - t0
+    rows = (bos + t0 + o_c) * HV + i_hv
+    m_cc = m_c[:, None] & (o_c < BT)[None, :]
+    p_a = rows[:, None] * BT + o_c[None, :]
+    b_a = tl.load(Aqk + p_a, mask=m_cc, other=0)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_cv = m_c[:, None] & (o_v < V)[None, :]
+        p_v = rows[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_cv, other=0)
+        b_vn = tl.load(v_new + p_v, mask=m_cv, other=0).to(b_do.dtype)
+        b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        b_dv = tl.dot(tl.trans(b_a.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_cv)
+    b_ds = tl.where(o_c[:, None] >= o_c[None, :], b_ds * scale, 0)
+    tl.store(dS + p_a, b_ds, mask=m_cc)
+
+
+@triton.jit
+def kda_bwd_wy_dqkg_kernel(
+    q, k, v, v_new, gk, beta, A, h, do, dh, dv2,
+    dq, dk, dv, dg, dbeta, dL,
+    cu_seqlens, chunk_indices,
+    scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Step 3 of the module docstring for one (chunk, value head); grid (NT, B * HV).
+    Writes dq, dk, dg `[B, T, HV, K]`, dv `[B, T, HV, V]`, dbeta, dL (all fp32)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, seq_len, t0, i_state = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    chunk_len = tl.minimum(BT, seq_len - t0)
+    dtype = k.dtype.element_ty
+    o_c = tl.arange(0, BT)
+    m_c = o_c < chunk_len
+    qk_rows = (bos + t0 + o_c) * H + i_h
+    rows = (bos + t0 + o_c) * HV + i_hv
+    i_last = (bos + t0 + chunk_len - 1) * HV + i_hv
+    h_base = (i_state * HV + i_hv) * K * V
+    m_cc = m_c[:, None] & (o_c < BT)[None, :]
+    p_a = rows[:, None] * BT + o_c[None, :]
+    b_a = tl.load(A + p_a, mask=m_cc, other=0)
+    b_at = tl.trans(b_a).to(dtype)
+    b_beta = tl.load(beta + rows, mask=m_c, other=0).to(tl.float32)
+
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ck = m_c[:, None] & m_k[None, :]
+        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkg = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dwn = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dglast = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_cv = m_c[:, None] & m_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            p_v = rows[:, None] * V + o_v[None, :]
+            p_h = h_base + o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h + p_h, mask=m_kv, other=0)
+            b_dh = tl.load(dh + p_h, mask=m_kv, other=0)
+            b_do = tl.load(do + p_v, mask=m_cv, other=0).to(dtype)
+            b_vn = tl.load(v_new + p_v, mask=m_cv, other=0).to(dtype)
+            b_dv2 = tl.load(dv2 + p_v, mask=m_cv, other=0)
+            b_dqg += tl.dot(b_do, tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
+            b_dkg += tl.dot(b_vn, tl.trans(b_dh.to(dtype)), input_precision=DOT_PREC)
+            b_dwn += tl.dot(b_dv2.to(dtype), tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
+            b_dglast += tl.sum(b_h * b_dh, axis=1)
+            if i_k == 0:
+                b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
+                b_dA += tl.dot(b_dv2.to(dtype), tl.trans((b_v * b_beta[:, None]).to(dtype)),
+                               input_precision=DOT_PREC)
+                b_dvb = tl.dot(b_at, b_dv2.to(dtype), input_precision=DOT_PREC)
+                tl.store(dv + p_v, b_dvb * b_beta[:, None], mask=m_cv)
+                b_dbeta += tl.sum(b_dvb * b_v, axis=1)
+        p_qk = qk_rows[:, None] * K + o_k[None, :]
+        p_hk = rows[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_ck, other=0).to(tl.float32)
+        b_k = tl.load(k + p_qk, mask=m_ck, other=0).to(tl.float32)
+        b_g = tl.load(gk + p_hk, mask=m_ck, other=0)
+        b_g_last = tl.load(gk + i_last * K + o_k, mask=m_k, other=0)
+        b_eg = tl.exp(b_g)
+        b_dq = b_dqg * b_eg * scale
+        b_dk = b_dkg * tl.exp(tl.where(m_ck, b_g_last[None, :] - b_g, float("-inf")))
+        b_dg = b_q * b_dq - b_k * b_dk
+        b_dglast = b_dglast * tl.exp(b_g_last) + tl.sum(b_k * b_dk, axis=0)
+        b_kb = b_k * b_eg * b_beta[:, None]
+        b_dA -= tl.dot(b_dwn.to(dtype), tl.trans(b_kb.to(dtype)), input_precision=DOT_PREC)
+        b_dkb = -tl.dot(b_at, b_dwn.to(dtype), input_precision=DOT_PREC)
+        b_dk += b_dkb * b_eg * b_beta[:, None]
+        b_dbeta += tl.sum(b_dkb * b_k * b_eg, axis=1)
+        b_dg += b_dkb * b_kb
+        b_dg += tl.where((o_c == chunk_len - 1)[:, None], b_dglast[None, :], 0)
+        tl.store(dq + p_hk, b_dq, mask=m_ck)
+        tl.store(dk + p_hk, b_dk, mask=m_ck)
+        tl.store(dg + p_hk, b_dg, mask=m_ck)
+    b_dl = tl.dot(b_dA.to(dtype), tl.trans(b_a.to(dtype)), input_precision=DOT_PREC)
+    b_dl = -tl.dot(b_at, b_dl.to(dtype), input_precision=DOT_PREC)
+    b_dl = tl.where((o_c[:, None] > o_c[None, :]) & m_cc, b_dl, 0)
+    tl.store(dL + p_a, b_dl, mask=m_cc)
+    tl.store(dbeta + rows, b_dbeta, mask=m_c)
+
+
+@triton.jit
+def kda_bwd_intra_kernel(
+    q, k, gk, beta, dS, dL, dq, dk, dg, dbeta,
+    cu_seqlens, chunk_indices,
+    T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
+    of one 16-row sub-chunk; grid (NT * BT // BC, B * HV).
+
+    With P = dS, D = dL (both chunk-local [BT, BT]) and e_ij = exp(gk_i - gk_j):
+        dq_i += sum_j P_ij k_j e_ij,  dk_j += sum_i P_ij q_i e_ij,
+        R_i   = sum_j D_ij k_j e_ij,  C_j   = sum_i D_ij beta_i k_i e_ij,
+        dk_i += beta_i R_i + C_i,     dbeta_i += k_i . R_i,
+        dgk  += q dq_S - k dk_S + beta k R - k C.
+    """
+    NC: tl.constexpr = BT // BC
+    i_tc, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_i = i_tc // NC, i_tc % NC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    chunk_len = tl.minimum(BT, seq_len - t0)
+    dtype = k.dtype.element_ty
+    o_c = tl.arange(0, BT)
+    m_c = o_c < chunk_len
+    o_i = i_i * BC + tl.arange(0, BC)
+    m_i = o_i < chunk_len
+    qk_rows = (bos + t0 + o_c) * H + i_h
+    rows = (bos + t0 + o_c) * HV + i_hv
+    qk_rows_i = (bos + t0 + o_i) * H + i_h
+    rows_i = (bos + t0 + o_i) * HV + i_hv
+    # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
+    i_first = (bos + t0 + tl.minimum(i_i * BC, chunk_len - 1)) * HV + i_hv
+    i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
+
+    m_row_strip = m_i[:, None] & (o_c < i_i * BC)[None, :]
+    p_row_strip = rows_i[:, None] * BT + o_c[None, :]
+    b_p_row = tl.load(dS + p_row_strip, mask=m_row_strip, other=0)
+    b_d_row = tl.load(dL + p_row_strip, mask=m_row_strip, other=0)
+    m_after = m_c & (o_c >= i_i * BC + BC)
+    m_col_strip = m_after[:, None] & m_i[None, :]
+    p_col_strip = rows[:, None] * BT + o_i[None, :]
+    b_p_col = tl.load(dS + p_col_strip, mask=m_col_strip, other=0)
+    b_d_col = tl.load(dL + p_col_strip, mask=m_col_strip, other=0)
+    b_beta_c = tl.load(beta + rows, mask=m_c, other=0).to(tl.float32)
+    b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
+
+    b_dbeta = tl.zeros([BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_i = qk_rows_i[:, None] * K + o_k[None, :]
+        p_gi = rows_i[:, None] * K + o_k[None, :]
+        b_qi = tl.load(q + p_i, mask=m_ik, other=0).to(tl.float32)
+        b_ki = tl.load(k + p_i, mask=m_ik, other=0).to(tl.float32)
+        b_gi = tl.load(gk + p_gi, mask=m_ik, other=0)
+        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dks = tl.zeros([BC, BK], dtype=tl.float32)
+        b_r = tl.zeros([BC, BK], dtype=tl.float32)
+        b_cc = tl.zeros([BC, BK], dtype=tl.float32)
+        if i_i > 0:
+            m_before = ((o_c < i_i * BC) & m_c)[:, None] & m_k[None, :]
+            b_gf = tl.load(gk + i_first * K + o_k, mask=m_k, other=0)
+            b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_before, other=0).to(tl.float32)
+            b_gc = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_before, other=0)
+            b_kc = (b_kc * tl.exp(tl.where(m_before, b_gf[None, :] - b_gc, float("-inf")))).to(dtype)
+            b_ei = tl.exp(tl.where(m_ik, b_gi - b_gf[None, :], float("-inf")))
+            b_dq += b_ei * tl.dot(b_p_row.to(dtype), b_kc, input_precision=DOT_PREC)
+            b_r += b_ei * tl.dot(b_d_row.to(dtype), b_kc, input_precision=DOT_PREC)
+        if i_i < NC - 1:
+            m_later = m_after[:, None] & m_k[None, :]
+            b_gl = tl.load(gk + i_final * K + o_k, mask=m_k, other=0)
+            b_qc = tl.load(q + qk_rows[:, None] * K + o_k[None, :], mask=m_later, other=0).to(tl.float32)
+            b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_later, other=0).to(tl.float32)
+            b_gc = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_later, other=0)
+            b_ec = tl.exp(tl.where(m_later, b_gc - b_gl[None, :], float("-inf")))
+            b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
+            b_dks += b_ej * tl.dot(tl.trans(b_p_col.to(dtype)), (b_qc * b_ec).to(dtype), input_precision=DOT_PREC)
+            b_cc += b_ej * tl.dot(tl.trans(b_d_col.to(dtype)), (b_kc * b_ec * b_beta_c[:, None]).to(dtype),
+                                  input_precision=DOT_PREC)
+        for j in range(BC):
+            c = i_i * BC + j
+            m_j = m_k & (c < chunk_len)
+            p_j = ((bos + t0 + c) * H + i_h) * K + o_k
+            b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
+            b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+            row_j = (bos + t0 + c) * HV + i_hv
+            b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
+            b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
+            # token c as the column: rows i >= c of this sub-chunk
+            b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
+            b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
+            b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
+            b_dq += b_p[:, None] * b_kj[None, :] * b_e
+            b_r += b_d[:, None] * b_kj[None, :] * b_e
+            # token c as the row: columns i <= c of this sub-chunk
+            m_cols = m_i & (o_i <= c) & (c < chunk_len)
+            b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
+            b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
+            b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
+            b_dks += b_p[:, None] * b_qj[None, :] * b_e
+            b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
+        b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
+        tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
+        tl.store(dq + p_gi, tl.load(dq + p_gi, mask=m_ik, other=0) + b_dq, mask=m_ik)
+        b_dk = b_dks + b_beta_i[:, None] * b_r + b_cc
+        tl.store(dk + p_gi, tl.load(dk + p_gi, mask=m_ik, other=0) + b_dk, mask=m_ik)
+        b_dbeta += tl.sum(b_ki * b_r, axis=1)
+    b_dbeta += tl.load(dbeta + rows_i, mask=m_i, other=0)
+    tl.store(dbeta + rows_i, b_dbeta, mask=m_i)
+
+
+def chunk_kda_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    saved: dict[str, torch.Tensor],
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of chunked KDA (q, k already normalised if the op normalises them).
+
+    saved: at least Aqk and Akk from `chunk_kda_fwd`; with gk, w, u, qg, kg, h, v_new too
+    (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
+    do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
+
+    Returns dq, dk (`[B, T, H, K]` fp32), dv (`[B, T, HV, V]` fp32), dbeta (`[B, T, HV]` fp32),
+    dg (`[B, T, HV, K]`, fp32 or g's dtype through the in-kernel gate), dh0 (fp32 or None),
+    dA_log, ddt_bias (or None).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    Aqk, Akk = saved["Aqk"], saved["Akk"]
+    if "h" in saved:
+        gk, w, qg, kg, h, v_new = (saved[n] for n in ("gk", "w", "qg", "kg", "h", "v_new"))
+    else:
+        gk = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices)
+        w, u, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk)
+        h, v_new, _ = chunk_delta_rule_fwd_h(kg, w, u, gk, initial_state, False, cu_seqlens, chunk_indices,
+                                             chunk_offsets, CHUNK_SIZE, state_v_first)
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    is_varlen = cu_seqlens is not None
+    prec = dot_precision(k.dtype)
+    BK, BV = head_block_size(K), head_block_size(V)
+    do = do.to(k.dtype)
+
+    dS = torch.empty_like(Aqk)
+    dv_o = torch.empty_like(v, dtype=torch.float32)
+    if NT * B * HV > 0:
+        kda_bwd_dAv_kernel[(NT, B * HV)](
+            v_new, Aqk, do, dS, dv_o, cu_seqlens, chunk_indices, float(scale), T,
+            HV=HV, V=V, BT=CHUNK_SIZE, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
+        )
+    dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(
+        qg, kg, w, gk, do, dv_o, scale, dht, initial_state is not None, cu_seqlens, chunk_indices,
+        chunk_offsets, CHUNK_SIZE, state_v_first,
+    )
+    dq = q.new_empty(B, T, HV, K, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dgk = torch.empty_like(dq)
+    dv = torch.empty_like(dv_o)
+    dbeta = torch.empty_like(beta, dtype=torch.float32)
+    dL = torch.empty_like(Akk)
+    if NT * B * HV > 0:
+        kda_bwd_wy_dqkg_kernel[(NT, B * HV)](
+            q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL,
+            cu_seqlens, chunk_indices, float(scale), T,
+            H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
+        )
+        kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
+            q, k, gk, beta, dS, dL, dq, dk, dgk, dbeta, cu_seqlens, chunk_indices, T,
+            H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
+        )
+    if HV > H:
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    dA_log = ddt_bias = None
+    if use_gate_in_kernel:
+        dg, dA_log, ddt_bias = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dgk, lower_bound, CHUNK_SIZE,
+                                                         cu_seqlens, chunk_indices)
+    else:
+        dg = chunk_local_cumsum(dgk, CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias
