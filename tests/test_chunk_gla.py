@@ -107,7 +107,7 @@ def test_strong_decay_is_finite_and_exact():
 
 
 def test_fp16_inputs():
-    compare_with_reference(1, 100, 1, 32, 32, cu=[0, 40, 100], dtype=torch.float16, tol=1e-2)
+    compare_with_reference(1, 100, 1, 32, 32, cu=[0, 40, 100], dtype=torch.float16, tol=2e-3)
 
 
 def test_varlen_equals_separate_calls():

@@ -77,7 +77,7 @@ def chunk_state_forward_kernel(
 
     n_chunks = tl.cdiv(seq_len, BT)
     # A while loop because the interpreter cannot use a loaded length as a range() bound.
-    i_t = 0
+    i_t = tl.zeros([], dtype=tl.int32)
     while i_t < n_chunks:
         tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)

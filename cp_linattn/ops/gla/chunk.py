@@ -256,11 +256,10 @@ def chunk_gla_bwd_dqkg_kernel(
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
-def _launch_shape(q: torch.Tensor, v: torch.Tensor, n_chunks: int):
+def _launch_shape(q: torch.Tensor, v: torch.Tensor):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = state_block_sizes(K, V)
-    return B, T, H, K, V, BK, BV, n_chunks
+    return (B, T, H, K, V, *state_block_sizes(K, V))
 
 
 def chunk_gla_fwd_o(
@@ -269,7 +268,8 @@ def chunk_gla_fwd_o(
 ) -> torch.Tensor:
     """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and the states h
     (fp32 `[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`)."""
-    B, T, H, K, V, BK, BV, NT = _launch_shape(q, v, h.shape[1])
+    B, T, H, K, V, BK, BV = _launch_shape(q, v)
+    NT = h.shape[1]
     o = torch.empty_like(v)
     if NT > 0:
         chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
@@ -285,7 +285,8 @@ def chunk_gla_bwd_dv(
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dv `[B, T, H, V]` in do's dtype; dh fp32 `[B, NT, H, K, V]` from `chunk_bwd_dh`."""
-    B, T, H, K, V, BK, BV, NT = _launch_shape(q, do, dh.shape[1])
+    B, T, H, K, V, BK, BV = _launch_shape(q, do)
+    NT = dh.shape[1]
     dv = torch.empty_like(do)
     if NT > 0:
         chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
@@ -302,7 +303,8 @@ def chunk_gla_bwd_dqkg(
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk (q's dtype) and dg (fp32), all `[B, T, H, K]`."""
-    B, T, H, K, V, BK, BV, NT = _launch_shape(q, v, h.shape[1])
+    B, T, H, K, V, BK, BV = _launch_shape(q, v)
+    NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(gk)
     if NT > 0:
