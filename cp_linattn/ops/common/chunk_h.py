@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.utils import check_tensor, prepare_chunk_indices, prepare_chunk_offsets
+from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
 
 
 def dot_precision(dtype: torch.dtype) -> str:
