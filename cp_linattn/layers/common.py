@@ -20,9 +20,5 @@ def local_cu_seqlens(
         return cu_seqlens
     if cu_seqlens is not None:
         raise ValueError("pass cu_seqlens=None with cp_context: the context carries this rank's local offsets")
-    if x.shape[0] != 1 or x.shape[1] != int(cp_context.cu_seqlens_cpu[-1]):
-        raise ValueError(
-            f"with cp_context, x must be this rank's shard [1, {int(cp_context.cu_seqlens_cpu[-1])}, D], "
-            f"got shape {list(x.shape)}"
-        )
+    cp_context.check_local(x)
     return cp_context.cu_seqlens

@@ -68,7 +68,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens (this rank's shard under CP; then cu_seqlens=None).
         Returns `[1, T, D]`."""
-        cu_seqlens = local_cu_seqlens(x, cu_seqlens, cp_context)
+        local_cu = local_cu_seqlens(x, cu_seqlens, cp_context)
         B, T, _ = x.shape
         H, HV, K, V = self.n_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), cu_seqlens, cp_context)
@@ -83,7 +83,7 @@ class KimiDeltaAttention(nn.Module):
             dt_bias=self.dt_bias,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=local_cu,
             cp_context=cp_context,
         )
         o = self.o_norm(o, self.g_proj(x).view(B, T, HV, V))
