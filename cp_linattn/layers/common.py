@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cp_linattn.cp.context import check_cp_call
+
 if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
 
@@ -12,13 +14,11 @@ if TYPE_CHECKING:
 def local_cu_seqlens(
     x: torch.Tensor, cu_seqlens: torch.LongTensor | None, cp_context: FLACPContext | None
 ) -> torch.LongTensor | None:
-    """The offsets of the tokens this rank holds: `cu_seqlens` without CP, the context's
-    local offsets under CP (where a global `cu_seqlens` would be ambiguous, so it is refused)."""
+    """The offsets of the tokens this rank holds, as the ops define them: `cu_seqlens`
+    without CP; under CP x must be this rank's shard, cu_seqlens None or the global offsets
+    the context was built from, and the result is the context's local offsets."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, D], got shape {list(x.shape)}")
     if cp_context is None:
         return cu_seqlens
-    if cu_seqlens is not None:
-        raise ValueError("pass cu_seqlens=None with cp_context: the context carries this rank's local offsets")
-    cp_context.check_local(x)
-    return cp_context.cu_seqlens
+    return check_cp_call(cp_context, cu_seqlens, x=x)

@@ -52,8 +52,8 @@ class ShortConvolution(nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.LongTensor | None = None, cp_context: FLACPContext | None = None
     ) -> torch.Tensor:
-        """x: `[1, T, D]` packed tokens (`[B, T, D]` without cu_seqlens), this rank's shard under
-        CP (then cu_seqlens=None: the context has the local offsets). Returns x's shape."""
+        """x: `[1, T, D]` packed tokens with cu_seqlens (`[B, T, D]` without); under CP this
+        rank's shard (cu_seqlens None or the global offsets). Returns x's shape."""
         cu_seqlens = local_cu_seqlens(x, cu_seqlens, cp_context)
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must be [B, T, {self.dim}], got shape {list(x.shape)}")

@@ -56,9 +56,9 @@ class GatedLinearAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.LongTensor | None = None, cp_context: FLACPContext | None = None
     ) -> torch.Tensor:
-        """x: `[1, T, D]` packed tokens (this rank's shard under CP; then cu_seqlens=None).
-        Returns `[1, T, D]`."""
-        cu_seqlens = local_cu_seqlens(x, cu_seqlens, cp_context)
+        """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
+        (cu_seqlens None or the global offsets). Returns x's shape."""
+        local_cu_seqlens(x, cu_seqlens, cp_context)  # a bad call fails before any work
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).view(B, T, H, K)

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from cp_linattn.layers.common import local_cu_seqlens
 from cp_linattn.layers.conv import ShortConvolution
 from cp_linattn.layers.norm import GatedRMSNorm
 from cp_linattn.ops.kda.chunk import chunk_kda
@@ -66,9 +65,8 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.LongTensor | None = None, cp_context: FLACPContext | None = None
     ) -> torch.Tensor:
-        """x: `[1, T, D]` packed tokens (this rank's shard under CP; then cu_seqlens=None).
-        Returns `[1, T, D]`."""
-        local_cu = local_cu_seqlens(x, cu_seqlens, cp_context)
+        """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
+        (cu_seqlens None or the global offsets). Returns x's shape."""
         B, T, _ = x.shape
         H, HV, K, V = self.n_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), cu_seqlens, cp_context)
@@ -83,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
             dt_bias=self.dt_bias,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
-            cu_seqlens=local_cu,
+            cu_seqlens=cu_seqlens,
             cp_context=cp_context,
         )
         o = self.o_norm(o, self.g_proj(x).view(B, T, HV, V))

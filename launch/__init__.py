@@ -1,0 +1,1 @@
+"""Entry points: `torchrun -m launch.train` and `torchrun -m launch.check_cp`."""
