@@ -392,3 +392,40 @@ def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.T
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     rows = all_gather_tensor(x, context.group)
     return torch.cat([rows[r, :n] for r, n in enumerate(context.split)]).movedim(0, dim)
+
+
+def check_cp_call(context, cu_seqlens, **tensors: torch.Tensor) -> torch.Tensor:
+    """Validate an op call under `context` and return the LOCAL cu_seqlens to run with.
+
+    Each tensor must be this rank's shard (`[1, end - start, ...]`); `cu_seqlens`, if the
+    caller passes one, must be the global offsets the context was built from; the context
+    must have been built on this process for its group (a context handed between ranks or
+    groups would silently compute another rank's slice).
+    """
+    if not isinstance(context, FLACPContext):
+        raise TypeError(f"cp_context must be an FLACPContext (from build_cp_context), got {type(context).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("cp_context requires an initialised torch.distributed process group")
+    my_rank = dist.get_rank(context.group)
+    if my_rank != context.rank or dist.get_world_size(context.group) != context.world_size:
+        raise ValueError(
+            f"cp_context was built for rank {context.rank} of a group of {context.world_size}, but this process is "
+            f"rank {my_rank} of {dist.get_world_size(context.group)} in that group: build the context on every rank"
+        )
+    for name, x in tensors.items():
+        context.check_local(x, name)
+        if x.device != context.device:
+            raise ValueError(f"{name} must be on the cp_context device {context.device}, got {x.device}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or not torch.equal(cu_seqlens.detach().cpu(), context.global_cu_seqlens_cpu):
+            raise ValueError(
+                "cu_seqlens must be omitted under cp_context (the context carries the local offsets) or equal the "
+                f"global offsets it was built from, {context.global_cu_seqlens_cpu.tolist()}"
+            )
+    return context.cu_seqlens
+
+
+def empty_seq_ids(context: FLACPContext) -> torch.Tensor:
+    """Global ids (CPU int64) of the empty sequences of the batch: they appear on no rank."""
+    cu = context.global_cu_seqlens_cpu
+    return torch.nonzero(cu[1:] == cu[:-1]).flatten()

@@ -25,7 +25,16 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision, state_block_sizes
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.utils import check_inputs, check_scale, prepare_chunk_indices, prepare_chunk_offsets
+from cp_linattn.cp.context import FLACPContext, check_cp_call
+from cp_linattn.cp.state import (
+    compress_h0,
+    exchange_backward,
+    exchange_forward,
+    expand_h0,
+    gather_final_state_grad,
+    scatter_final_state,
+)
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -319,41 +328,105 @@ def chunk_gla_bwd_dqkg(
 class ChunkGLAFunction(torch.autograd.Function):
     """Autograd wrapper over the chunk kernels; inputs are validated and contiguous.
 
-    The states enter only through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`, the two
-    places where a context-parallel runtime substitutes the state handed over by other ranks.
+    The states enter only through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`; under
+    context parallelism (`cp_context`) those are where the states handed over by the other
+    ranks come in (cp/state.py), and `initial_state` / the final state are indexed by the
+    GLOBAL sequences of the packed batch.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
             chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
             chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
-        h, ht = chunk_fwd_h(k, v, gk, h0=initial_state, output_final_state=output_final_state,
+        h0, record = initial_state, None
+        if cp_context is not None:
+            S_in, record = _cp_incoming_state(k, v, g, gk, initial_state, cp_context)
+            h0 = expand_h0(S_in, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
+        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=output_final_state,
                             chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
         o = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
-        ctx.save_for_backward(q, k, v, gk, initial_state, cu_seqlens, chunk_indices, chunk_offsets)
+        if cp_context is not None and ht is not None:
+            ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state)
+        ctx.save_for_backward(q, k, v, gk, h0, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
+        ctx.cp = (cp_context, record, initial_state is not None)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gk, initial_state, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        q, k, v, gk, h0, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        cp_context, record, user_h0 = ctx.cp
         scale = ctx.scale
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         do = do.to(q.dtype).contiguous()
-        h, _ = chunk_fwd_h(k, v, gk, h0=initial_state, chunk_offsets=chunk_offsets,
+        dht_global = dht
+        if cp_context is not None:
+            dht = _cp_final_state_grad(q, gk, do, scale, dht, record)
+        h, _ = chunk_fwd_h(k, v, gk, h0=h0, chunk_offsets=chunk_offsets,
                            chunk_size=CHUNK_SIZE, **varlen)
-        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=initial_state is not None,
+        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=user_h0,
                                chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
         dv = chunk_gla_bwd_dv(q, k, gk, do, dh, scale, **varlen)
         dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, **varlen)
-        if dh0 is not None:
-            dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None
+        if cp_context is not None:
+            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global)
+        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None, None
+
+
+def _cp_incoming_state(k, v, g, gk, initial_state, cp_context):
+    """Forward pre-process: `(S_ext, M)` of this rank's last local sequence fragment, the
+    exchange, and the merged state entering its first local sequence (None if it starts here).
+
+    The fragment's transition is the diagonal `exp(sum of g over it)`; its contribution is its
+    final state from the state it starts with here: the user's initial state when the sequence
+    starts on this rank, zero when it came from an earlier rank (the fold adds that part).
+    """
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    if cp_context.post_num_ranks:
+        start = int(cp_context.cu_seqlens_cpu[-2])
+        starts_here = cp_context.num_seqs > 1 or cp_context.pre_num_ranks == 0
+        h0_last = None
+        if starts_here and initial_state is not None:
+            h0_last = initial_state[cp_context.seq_ids[-1:].to(initial_state.device)]
+        _, S_ext = chunk_fwd_h(k[:, start:], v[:, start:], gk[:, start:], h0=h0_last,
+                               output_final_state=True, chunk_size=CHUNK_SIZE)
+        S_ext, M = S_ext[0], g[0, start:].float().sum(0).exp()
+    else:
+        S_ext, M = k.new_zeros(H, K, V, dtype=torch.float32), k.new_zeros(H, K, dtype=torch.float32)
+    return exchange_forward(S_ext, M, cp_context)
+
+
+def _cp_final_state_grad(q, gk, do, scale, dht_global, record):
+    """Backward pre-process: local dht `[num_seqs, H, K, V]` with the gradient that the later
+    ranks send into this rank's last local sequence (None if there is nothing at all).
+
+    dS_ext is the gradient leaving the first local fragment when nothing arrives from beyond
+    this rank: only the user's dht of that sequence, if it also ends here.
+    """
+    cp_context = record.context
+    dht = gather_final_state_grad(dht_global, cp_context)
+    H, K, V = q.shape[2], q.shape[3], do.shape[3]
+    if cp_context.pre_num_ranks:
+        end = int(cp_context.cu_seqlens_cpu[1])
+        ends_here = cp_context.num_seqs > 1 or cp_context.post_num_ranks == 0
+        dht_first = dht[:1] if (ends_here and dht is not None) else None
+        _, dS_ext = chunk_bwd_dh(q[:, :end], gk[:, :end], do[:, :end], scale, dht=dht_first,
+                                 need_dh0=True, chunk_size=CHUNK_SIZE)
+        dS_ext = dS_ext[0]
+    else:
+        dS_ext = q.new_zeros(H, K, V, dtype=torch.float32)
+    dS_in = exchange_backward(dS_ext, record)
+    if dS_in is None:
+        return dht
+    if dht is None:
+        dht = dS_in.new_zeros(cp_context.num_seqs, H, K, V)
+    dht[-1] = dS_in
+    return dht
 
 
 def chunk_gla(
@@ -365,7 +438,7 @@ def chunk_gla(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
-    cp_context=None,
+    cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated Linear Attention with chunked Triton kernels (forward and backward).
 
@@ -377,16 +450,28 @@ def chunk_gla(
             sequences of `cu_seqlens`.
         output_final_state: also return the fp32 final states `[N, H, K, V]`.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
-        cp_context: context-parallel context; not supported yet.
+        cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): q, k, v, g are this
+            rank's shard `[1, end - start, ...]` of the global packed batch, and the result is
+            exactly this rank's slice of the single-rank result. `cu_seqlens` is then taken
+            from the context (if given, it must be the global offsets the context was built
+            from). `initial_state` is `[N_global, H, K, V]`, the same on every rank, each row
+            applied on the rank where its sequence starts; its gradient on each rank holds the
+            rows of the sequences starting there (the sum over the group is the full gradient).
+            The final state is `[N_global, H, K, V]` on every rank with the rows of the
+            sequences that END on this rank filled and zeros elsewhere: summing over the group
+            gives every final state. Every rank of the group must call the op (collective).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (fp32 `[N, H, K, V]`) or None.
     """
     if cp_context is not None:
-        raise NotImplementedError("chunk_gla: context-parallel execution (cp_context) is not wired up yet")
-    dims = check_inputs(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g)
+    dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens)
+    if cp_context is not None and initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.H, dims.K, dims.V),
+                     device=q.device)
     scale = check_scale(scale, dims.K)
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens)
+    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens, cp_context)

@@ -1,0 +1,164 @@
+"""chunk_gla / chunk_kda under context parallelism against the single-rank call.
+
+Every case builds one global packed batch, runs the op without CP in the test process and
+with CP on N gloo ranks (each holding its shard), and checks that every rank's outputs and
+input gradients are exactly its slice of the single-rank ones; the per-rank pieces of the
+global initial-state gradient and of the final states sum to the single-rank tensors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multirank import run_ranks
+
+TOL = 2e-5
+
+
+def _make_inputs(op: str, cu: list[int], H: int, K: int, V: int, seed: int, options: dict):
+    """Global inputs of one case (the same on every rank: generated from the seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, N = cu[-1], len(cu) - 1
+    HV = H * options.get("gva", 1)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = dict(q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, HV, V))
+    if op == "gla":
+        x["g"] = torch.nn.functional.logsigmoid(rnd(1, T, H, K)) * options.get("gate_scale", 1.0)
+    else:
+        x["g"] = rnd(1, T, HV, K) if options.get("gate_in_kernel") else torch.nn.functional.logsigmoid(rnd(1, T, HV, K))
+        x["beta"] = torch.rand(1, T, HV, generator=gen)
+        if not options.get("l2norm"):
+            x["q"], x["k"] = (torch.nn.functional.normalize(x[n], dim=-1) for n in ("q", "k"))
+    state = (N, HV, V, K) if options.get("state_v_first") else (N, HV, K, V)
+    extra = dict(h0=rnd(*state) if options.get("h0") else None,
+                 do=rnd(1, T, HV, V), dht=rnd(*state) if options.get("ht") else None)
+    if options.get("gate_in_kernel"):
+        extra["A_log"] = rnd(HV) * 0.5
+        extra["dt_bias"] = rnd(HV * K) * 0.5
+    return x, extra
+
+
+def _run_op(op: str, x: dict, extra: dict, options: dict, cu_seqlens, cp_context):
+    """Forward + backward; returns o, final state (or None) and the gradients by name."""
+    from cp_linattn import chunk_gla, chunk_kda
+
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    params = {n: extra[n].clone().requires_grad_() for n in ("h0", "A_log", "dt_bias") if extra.get(n) is not None}
+    kw = dict(initial_state=params.get("h0"), output_final_state=extra["dht"] is not None,
+              cu_seqlens=cu_seqlens, cp_context=cp_context)
+    if op == "gla":
+        o, ht = chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], **kw)
+    else:
+        kw.update(use_qk_l2norm_in_kernel=options.get("l2norm", False), state_v_first=options.get("state_v_first", False),
+                  disable_recompute=options.get("disable_recompute", False))
+        if options.get("gate_in_kernel"):
+            kw.update(use_gate_in_kernel=True, A_log=params["A_log"], dt_bias=params["dt_bias"],
+                      safe_gate=options.get("safe_gate", False), lower_bound=options.get("lower_bound"))
+        o, ht = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], **kw)
+    return o, ht, leaves, params
+
+
+def _cp_worker(rank: int, world_size: int, op: str, cases: list[dict]) -> list[dict]:
+    from cp_linattn.cp import build_cp_context, shard
+
+    results = []
+    for case in cases:
+        x, extra = _make_inputs(op, case["cu"], case["H"], case["K"], case["V"], case["seed"], case["options"])
+        ctx = build_cp_context(torch.tensor(case["cu"]), split=case.get("split"), comm=case["comm"])
+        local = {n: shard(t, ctx) for n, t in x.items()}
+        o, ht, leaves, params = _run_op(op, local, extra, case["options"], None, ctx)
+        loss = (o * shard(extra["do"], ctx)).sum()
+        if ht is not None:
+            loss = loss + (ht * extra["dht"]).sum()
+        loss.backward()
+        results.append(dict(
+            o=o.detach(), ht=None if ht is None else ht.detach(),
+            grads={n: t.grad for n, t in leaves.items()},
+            param_grads={n: t.grad for n, t in params.items()},
+        ))
+    return results
+
+
+def _reference(op: str, case: dict):
+    x, extra = _make_inputs(op, case["cu"], case["H"], case["K"], case["V"], case["seed"], case["options"])
+    o, ht, leaves, params = _run_op(op, x, extra, case["options"], torch.tensor(case["cu"]), None)
+    loss = (o * extra["do"]).sum()
+    if ht is not None:
+        loss = loss + (ht * extra["dht"]).sum()
+    loss.backward()
+    return o.detach(), ht, {n: t.grad for n, t in leaves.items()}, {n: t.grad for n, t in params.items()}
+
+
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (got.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+    assert err <= TOL * max(1.0, ref.abs().max().item()), f"{name}: max abs err {err:.3e}"
+
+
+def _check_cases(op: str, world_size: int, cases: list[dict]) -> None:
+    per_rank = run_ranks(_cp_worker, world_size, op, cases, timeout=600)
+    for i, case in enumerate(cases):
+        o, ht, grads, param_grads = _reference(op, case)
+        label = f"{op} world={world_size} case={case}"
+        _close(f"o [{label}]", torch.cat([r[i]["o"] for r in per_rank], 1), o)
+        for n, g in grads.items():
+            _close(f"d{n} [{label}]", torch.cat([r[i]["grads"][n] for r in per_rank], 1), g)
+        for n, g in param_grads.items():
+            _close(f"d{n} [{label}]", sum(r[i]["param_grads"][n] for r in per_rank), g)
+        if ht is not None:
+            _close(f"final_state [{label}]", sum(r[i]["ht"] for r in per_rank), ht.detach())
+
+
+def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]:
+    base = dict(H=H, K=K, V=V, comm=comm, options=options)
+    return [
+        # random varlen whose total (211) divides by none of 2, 3, 4
+        dict(base, cu=[0, 37, 41, 150, 211], seed=1),
+        # one long sequence covering every rank (middle ranks wholly inside it; with 4 ranks
+        # one of them holds only 3 tokens)
+        dict(base, cu=[0, 230], seed=2, split=[100, 3, 60, 67] if world_size == 4 else None),
+        # a sequence ending exactly on a rank edge, and pieces shorter than a chunk
+        dict(base, cu=[0, 70, 73, 160], seed=3, split={2: [70, 90], 3: [70, 5, 85], 4: [70, 2, 40, 48]}[world_size]),
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
+def test_gla_cp_matches_single_rank(world_size, comm):
+    _check_cases("gla", world_size, _cases(world_size, comm, h0=True, ht=True))
+
+
+def test_gla_cp_without_states_and_strong_gates():
+    _check_cases("gla", 3, _cases(3, "all_gather", gate_scale=5.0))
+
+
+def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
+    """Each misuse must raise on every rank, before any collective (no rank left waiting)."""
+    import dataclasses
+
+    from cp_linattn.cp import build_cp_context, shard
+
+    cu = [0, 50, 120]
+    x, extra = _make_inputs(op, cu, 1, 16, 16, 0, {})
+    ctx = build_cp_context(torch.tensor(cu))
+    local = {n: shard(t, ctx) for n, t in x.items()}
+    messages = []
+    bad_calls = [
+        ("the global tensors", lambda: _run_op(op, x, extra, {}, None, ctx), r"must be \d+ \(the tokens"),
+        ("B > 1", lambda: _run_op(op, {n: t.expand(2, *t.shape[1:]) for n, t in local.items()}, extra, {}, None, ctx),
+         r"batch size 1"),
+        ("another rank's context", lambda: _run_op(op, local, extra, {}, None, dataclasses.replace(ctx, rank=1 - rank)),
+         r"cp_context was built for rank"),
+        ("local cu_seqlens", lambda: _run_op(op, local, extra, {}, ctx.cu_seqlens, ctx), r"cu_seqlens must be omitted"),
+        ("not a context", lambda: _run_op(op, local, extra, {}, None, object()), r"cp_context must be an FLACPContext"),
+    ]
+    for what, call, pattern in bad_calls:
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            call()
+        messages.append(what)
+    return messages
+
+
+@pytest.mark.parametrize("op", ["gla", "kda"])
+def test_bad_cp_calls_raise_on_every_rank(op):
+    out = run_ranks(_bad_cp_calls, 2, op, timeout=300)
+    assert out[0] == out[1] and len(out[0]) == 5
