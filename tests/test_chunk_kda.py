@@ -234,7 +234,8 @@ def test_gpu_bf16_long(T):
     for name, (ours, ref) in res.items():
         assert torch.isfinite(ours).all(), name
         err = (ours.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
-        assert err < 3e-2, f"{name}: relative error {err:.3e}"
+        # bf16 operands: ~1e-2 on outputs, gradients pass through two more bf16 rounds
+        assert err < (3e-2 if name in ("o", "ht") else 5e-2), f"{name}: relative error {err:.3e}"
 
 
 @requires_cuda

@@ -86,6 +86,7 @@ def kda_gate_cumsum_kernel(
 
 
 def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, **buffers):
+    """Runs the forward (buffers g_cum) or the backward (dg_cum, dg, dA_part, dbias_part)."""
     B, T, HV, K = g.shape
     NT = B * triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     BK = min(64, max(16, triton.next_power_of_2(K)))
@@ -93,8 +94,8 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
     if NT > 0:
         kda_gate_cumsum_kernel[grid](
             g.contiguous(), A_log.contiguous() if A_log is not None else None,
-            dt_bias.contiguous() if dt_bias is not None else None, buffers.get("g_cum"), buffers.get("dg_cum"), buffers.get("dg"),
-            buffers.get("dA_part"), buffers.get("dbias_part"), cu_seqlens, chunk_indices,
+            dt_bias.contiguous() if dt_bias is not None else None,
+            buffers.get("g_cum"), buffers.get("dg_cum"), buffers.get("dg"), buffers.get("dA_part"), buffers.get("dbias_part"), cu_seqlens, chunk_indices,
             float(lower_bound) if lower_bound is not None else 0.0, T,
             HV=HV, K=K, BT=chunk_size, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
