@@ -182,7 +182,8 @@ def _args(**over):
 
 
 def test_cp_context_is_not_silently_ignored():
-    with pytest.raises(NotImplementedError, match="context-parallel"):
+    # A wrong object is refused; real contexts are tested in test_cp_ops.py.
+    with pytest.raises(TypeError, match="cp_context must be an FLACPContext"):
         chunk_gla(**_args(), cp_context=object())
 
 
