@@ -99,7 +99,7 @@ class LinearAttentionLM(nn.Module):
         cp_context: FLACPContext | None = None,
     ) -> torch.Tensor:
         """input_ids: `[1, T]` packed tokens with `cu_seqlens` `[N + 1]`; under CP this rank's
-        shard `[1, T_local]` with cu_seqlens=None (the context has the local offsets).
+        shard `[1, T_local]` (cu_seqlens None or the global offsets).
         Returns logits `[1, T, vocab_size]` (`[1, T_local, vocab_size]` under CP)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [1, T], got shape {list(input_ids.shape)}")
