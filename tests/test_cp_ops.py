@@ -25,7 +25,8 @@ def _make_inputs(op: str, cu: list[int], H: int, K: int, V: int, seed: int, opti
     if op == "gla":
         x["g"] = torch.nn.functional.logsigmoid(rnd(1, T, H, K)) * options.get("gate_scale", 1.0)
     else:
-        x["g"] = rnd(1, T, HV, K) if options.get("gate_in_kernel") else torch.nn.functional.logsigmoid(rnd(1, T, HV, K))
+        x["g"] = rnd(1, T, HV, K) if options.get("gate_in_kernel") else \
+            torch.nn.functional.logsigmoid(rnd(1, T, HV, K)) * options.get("gate_scale", 1.0)
         x["beta"] = torch.rand(1, T, HV, generator=gen)
         if not options.get("l2norm"):
             x["q"], x["k"] = (torch.nn.functional.normalize(x[n], dim=-1) for n in ("q", "k"))
@@ -127,8 +128,10 @@ def test_gla_cp_matches_single_rank(world_size, comm):
     _check_cases("gla", world_size, _cases(world_size, comm, h0=True, ht=True))
 
 
-def test_gla_cp_without_states_and_strong_gates():
-    _check_cases("gla", 3, _cases(3, "all_gather", gate_scale=5.0))
+@pytest.mark.parametrize("options", [dict(gate_scale=5.0), dict(gate_scale=0.02, h0=True, ht=True)],
+                         ids=["strong-decay-no-states", "slow-decay"])
+def test_gla_cp_gate_strengths(options):
+    _check_cases("gla", 4, _cases(4, "all_gather", **options))
 
 
 def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
@@ -162,3 +165,24 @@ def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
 def test_bad_cp_calls_raise_on_every_rank(op):
     out = run_ranks(_bad_cp_calls, 2, op, timeout=300)
     assert out[0] == out[1] and len(out[0]) == 5
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
+def test_kda_cp_matches_single_rank(world_size, comm):
+    _check_cases("kda", world_size, _cases(world_size, comm, h0=True, ht=True))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # the combination that matters: GVA + in-kernel gate + l2norm + states, V-first layout
+        dict(gva=2, gate_in_kernel=True, l2norm=True, h0=True, ht=True, state_v_first=True),
+        dict(gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, disable_recompute=True, ht=True),
+        # slow decay: states (and the K x K transitions) carry across whole ranks
+        dict(gate_scale=0.02, h0=True, ht=True),
+    ],
+    ids=["gva-gate-l2norm-vfirst", "safe-gate-no-recompute", "slow-decay"],
+)
+def test_kda_cp_options(options):
+    _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])

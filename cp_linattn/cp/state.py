@@ -20,6 +20,10 @@ import torch
 
 from cp_linattn.cp.comm import all_gather_tensor, send_recv_chain
 from cp_linattn.cp.context import FLACPContext, empty_seq_ids
+from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h
+from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+
+CHUNK_SIZE = 64
 
 
 def apply_transition(M: torch.Tensor, S: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -167,3 +171,125 @@ def gather_final_state_grad(dht_global: torch.Tensor | None, context: FLACPConte
     if context.post_num_ranks:
         dht[-1] = 0
     return dht
+
+
+# ---------------------------------------------------------------------------------------
+# The op-specific pre-processes: (S_ext, M) of the last fragment and dS_ext of the first,
+# computed with the ops' own state kernels on that fragment alone (chunks restart at every
+# sequence start, so a fragment is a standalone single-sequence batch).
+
+
+def _last_fragment(context: FLACPContext) -> tuple[int, bool]:
+    """(first local token of the last local sequence, whether that sequence starts here)."""
+    return int(context.cu_seqlens_cpu[-2]), context.num_seqs > 1 or context.pre_num_ranks == 0
+
+
+def _first_fragment(context: FLACPContext) -> tuple[int, bool]:
+    """(end of the first local sequence, whether that sequence ends here)."""
+    return int(context.cu_seqlens_cpu[1]), context.num_seqs > 1 or context.post_num_ranks == 0
+
+
+def _user_state_of_last(initial_state: torch.Tensor | None, context: FLACPContext, v_first: bool):
+    """The user's initial state `[1, H, K, V]` of the last local sequence if it starts here."""
+    start, starts_here = _last_fragment(context)
+    if initial_state is None or not starts_here:
+        return None
+    h0 = initial_state[context.seq_ids[-1:].to(initial_state.device)].float()
+    return h0.transpose(-1, -2) if v_first else h0
+
+
+def _with_incoming_grad(dht: torch.Tensor | None, dS_in: torch.Tensor | None, context: FLACPContext,
+                        state_shape: tuple[int, ...], v_first: bool) -> torch.Tensor | None:
+    if dS_in is None:
+        return dht
+    if dht is None:
+        dht = dS_in.new_zeros(context.num_seqs, *state_shape)
+    dht[-1] = dS_in.transpose(-1, -2) if v_first else dS_in
+    return dht
+
+
+def gla_incoming_state(k, v, g, gk, initial_state, context: FLACPContext):
+    """GLA forward pre-process and merge. k `[1, T, H, K]`, v `[1, T, H, V]`, g the raw log
+    gate and gk its chunk-local cumsum (fp32). Returns (S_in `[H, K, V]` or None, record).
+
+    The fragment's transition is the diagonal `exp(sum of g over it)`; its contribution is its
+    final state from the state it starts with here: the user's initial state when the sequence
+    starts on this rank, zero when it came from an earlier rank (the fold adds that part).
+    """
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    if context.post_num_ranks:
+        start, _ = _last_fragment(context)
+        h0 = _user_state_of_last(initial_state, context, False)
+        _, S_ext = chunk_fwd_h(k[:, start:], v[:, start:], gk[:, start:], h0=h0, output_final_state=True,
+                               chunk_size=CHUNK_SIZE)
+        S_ext, M = S_ext[0], g[0, start:].float().sum(0).exp()
+    else:
+        S_ext, M = k.new_zeros(H, K, V, dtype=torch.float32), k.new_zeros(H, K, dtype=torch.float32)
+    return exchange_forward(S_ext, M, context)
+
+
+def gla_final_state_grad(q, gk, do, scale: float, dht_global, record: BoundaryExchange):
+    """GLA backward pre-process and merge: the local dht `[num_seqs, H, K, V]` including the
+    gradient that later ranks send into the last local sequence (None if there is none).
+
+    dS_ext is the gradient leaving the first local fragment when nothing arrives from beyond
+    this rank: only the user's dht of that sequence, if it also ends here.
+    """
+    context = record.context
+    dht = gather_final_state_grad(dht_global, context)
+    H, K, V = q.shape[2], q.shape[3], do.shape[3]
+    if context.pre_num_ranks:
+        end, ends_here = _first_fragment(context)
+        dht_first = dht[:1] if (ends_here and dht is not None) else None
+        _, dS_ext = chunk_bwd_dh(q[:, :end], gk[:, :end], do[:, :end], scale, dht=dht_first, need_dh0=True,
+                                 chunk_size=CHUNK_SIZE)
+        dS_ext = dS_ext[0]
+    else:
+        dS_ext = q.new_zeros(H, K, V, dtype=torch.float32)
+    return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, (H, K, V), False)
+
+
+def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
+    """KDA forward pre-process and merge. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from the
+    intra-chunk WY stage. Returns (S_in `[HV, K, V]` K-first, or None; record).
+
+    One pass of the delta-rule state kernel gives both: the recurrence is linear in the state,
+    so running it on `[u, 0]` from `[h0, I]` yields `[S_ext, M]` with M the K x K transition
+    of the fragment (`final(S) = M S + S_ext`).
+    """
+    HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
+    if context.post_num_ranks:
+        start, _ = _last_fragment(context)
+        L = kg.shape[1] - start
+        h0 = _user_state_of_last(initial_state, context, state_v_first)
+        h0 = kg.new_zeros(1, HV, K, V, dtype=torch.float32) if h0 is None else h0
+        eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
+        u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
+        _, _, ht = chunk_delta_rule_fwd_h(kg[:, start:], w[:, start:], u_aug, gk[:, start:],
+                                          torch.cat([h0, eye], -1).contiguous(), True, chunk_size=CHUNK_SIZE)
+        S_ext, M = ht[0, :, :, :V], ht[0, :, :, V:]
+    else:
+        S_ext, M = kg.new_zeros(HV, K, V, dtype=torch.float32), kg.new_zeros(HV, K, K, dtype=torch.float32)
+    return exchange_forward(S_ext, M, context)
+
+
+def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record: BoundaryExchange,
+                         state_v_first: bool):
+    """KDA backward (dhu) pre-process and merge: the local dht (layout as the states) with the
+    gradient from later ranks in the last local sequence's row. dv: the intra-chunk gradient of
+    v_new (`Aqk^T do`) of the local tokens."""
+    context = record.context
+    dht = gather_final_state_grad(dht_global, context)
+    HV, K, V = kg.shape[2], kg.shape[3], do.shape[3]
+    if context.pre_num_ranks:
+        end, ends_here = _first_fragment(context)
+        dht_first = None
+        if ends_here and dht is not None:
+            dht_first = dht[:1].transpose(-1, -2).contiguous() if state_v_first else dht[:1]
+        _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
+                                                dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE)
+        dS_ext = dS_ext[0]
+    else:
+        dS_ext = kg.new_zeros(HV, K, V, dtype=torch.float32)
+    shape = (HV, V, K) if state_v_first else (HV, K, V)
+    return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, shape, state_v_first)

@@ -26,14 +26,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision, state_block_sizes
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.cp.context import FLACPContext, check_cp_call
-from cp_linattn.cp.state import (
-    compress_h0,
-    exchange_backward,
-    exchange_forward,
-    expand_h0,
-    gather_final_state_grad,
-    scatter_final_state,
-)
+from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
 
 CHUNK_SIZE = 64
@@ -344,7 +337,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
         h0, record = initial_state, None
         if cp_context is not None:
-            S_in, record = _cp_incoming_state(k, v, g, gk, initial_state, cp_context)
+            S_in, record = gla_incoming_state(k, v, g, gk, initial_state, cp_context)
             h0 = expand_h0(S_in, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
         h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=output_final_state,
                             chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
@@ -366,7 +359,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         do = do.to(q.dtype).contiguous()
         dht_global = dht
         if cp_context is not None:
-            dht = _cp_final_state_grad(q, gk, do, scale, dht, record)
+            dht = gla_final_state_grad(q, gk, do, scale, dht, record)
         h, _ = chunk_fwd_h(k, v, gk, h0=h0, chunk_offsets=chunk_offsets,
                            chunk_size=CHUNK_SIZE, **varlen)
         dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=user_h0,
@@ -376,57 +369,6 @@ class ChunkGLAFunction(torch.autograd.Function):
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global)
         return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None, None
-
-
-def _cp_incoming_state(k, v, g, gk, initial_state, cp_context):
-    """Forward pre-process: `(S_ext, M)` of this rank's last local sequence fragment, the
-    exchange, and the merged state entering its first local sequence (None if it starts here).
-
-    The fragment's transition is the diagonal `exp(sum of g over it)`; its contribution is its
-    final state from the state it starts with here: the user's initial state when the sequence
-    starts on this rank, zero when it came from an earlier rank (the fold adds that part).
-    """
-    H, K, V = k.shape[2], k.shape[3], v.shape[3]
-    if cp_context.post_num_ranks:
-        start = int(cp_context.cu_seqlens_cpu[-2])
-        starts_here = cp_context.num_seqs > 1 or cp_context.pre_num_ranks == 0
-        h0_last = None
-        if starts_here and initial_state is not None:
-            h0_last = initial_state[cp_context.seq_ids[-1:].to(initial_state.device)]
-        _, S_ext = chunk_fwd_h(k[:, start:], v[:, start:], gk[:, start:], h0=h0_last,
-                               output_final_state=True, chunk_size=CHUNK_SIZE)
-        S_ext, M = S_ext[0], g[0, start:].float().sum(0).exp()
-    else:
-        S_ext, M = k.new_zeros(H, K, V, dtype=torch.float32), k.new_zeros(H, K, dtype=torch.float32)
-    return exchange_forward(S_ext, M, cp_context)
-
-
-def _cp_final_state_grad(q, gk, do, scale, dht_global, record):
-    """Backward pre-process: local dht `[num_seqs, H, K, V]` with the gradient that the later
-    ranks send into this rank's last local sequence (None if there is nothing at all).
-
-    dS_ext is the gradient leaving the first local fragment when nothing arrives from beyond
-    this rank: only the user's dht of that sequence, if it also ends here.
-    """
-    cp_context = record.context
-    dht = gather_final_state_grad(dht_global, cp_context)
-    H, K, V = q.shape[2], q.shape[3], do.shape[3]
-    if cp_context.pre_num_ranks:
-        end = int(cp_context.cu_seqlens_cpu[1])
-        ends_here = cp_context.num_seqs > 1 or cp_context.post_num_ranks == 0
-        dht_first = dht[:1] if (ends_here and dht is not None) else None
-        _, dS_ext = chunk_bwd_dh(q[:, :end], gk[:, :end], do[:, :end], scale, dht=dht_first,
-                                 need_dh0=True, chunk_size=CHUNK_SIZE)
-        dS_ext = dS_ext[0]
-    else:
-        dS_ext = q.new_zeros(H, K, V, dtype=torch.float32)
-    dS_in = exchange_backward(dS_ext, record)
-    if dS_in is None:
-        return dht
-    if dht is None:
-        dht = dS_in.new_zeros(cp_context.num_seqs, H, K, V)
-    dht[-1] = dS_in
-    return dht
 
 
 def chunk_gla(

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from cp_linattn.cp.context import FLACPContext, check_cp_call
+from cp_linattn.cp.state import compress_h0
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE
@@ -19,7 +21,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute, state_v_first,
-                cu_seqlens):
+                cu_seqlens, cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
             chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
@@ -27,20 +29,23 @@ class ChunkKDAFunction(torch.autograd.Function):
         qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if use_qk_l2norm_in_kernel else (q, k)
         o, final_state, saved = chunk_kda_fwd(
             qn, kn, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log, dt_bias,
-            lower_bound, state_v_first, cu_seqlens, chunk_indices, chunk_offsets,
+            lower_bound, state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_context,
         )
         kept = [saved[n] for n in RECOMPUTED] if disable_recompute else []
         normed = [qn, kn] if disable_recompute and use_qk_l2norm_in_kernel else []
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+        # Under CP the backward runs from the local initial states of the forward.
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, saved["h0"], cu_seqlens, chunk_indices,
                               chunk_offsets, saved["Aqk"], saved["Akk"], *kept, *normed)
         ctx.options = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute,
                        state_v_first)
+        ctx.cp = (cp_context, saved["cp_record"], None if initial_state is None else initial_state.dtype)
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
+        (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
          *rest) = ctx.saved_tensors
+        cp_context, cp_record, h0_dtype = ctx.cp
         scale, use_l2norm, use_gate, lower_bound, disable_recompute, state_v_first = ctx.options
         saved = dict(Aqk=Aqk, Akk=Akk)
         if disable_recompute:
@@ -50,14 +55,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         else:
             qn, kn = q, k
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
-            qn, kn, v, g, beta, scale, do, dht, initial_state, saved, use_gate, A_log, dt_bias, lower_bound,
-            state_v_first, cu_seqlens, chunk_indices, chunk_offsets,
+            qn, kn, v, g, beta, scale, do, dht, h0, saved, use_gate, A_log, dt_bias, lower_bound,
+            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record,
         )
+        if cp_context is not None:
+            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht) if h0_dtype else None
+        if dh0 is not None:
+            dh0 = dh0.to(h0_dtype)
         if use_l2norm:
             dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dA_log,
-                ddt_bias, dh0.to(initial_state.dtype) if dh0 is not None else None,
-                None, None, None, None, None, None, None, None)
+                ddt_bias, dh0, None, None, None, None, None, None, None, None, None)
 
 
 def _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound) -> None:
@@ -109,7 +117,7 @@ def chunk_kda(
     disable_recompute: bool = False,
     state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
-    cp_context=None,
+    cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention, chunked: `S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T`,
     `o_t = scale * S_t^T q_t`. Keyword compatible with `fla.ops.kda.chunk_kda` for these arguments.
@@ -134,7 +142,15 @@ def chunk_kda(
             backward instead of recomputing them: more memory, identical gradients.
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
-        cp_context: context parallelism; not wired yet (NotImplementedError if given).
+        cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor
+            argument is this rank's shard `[1, end - start, ...]` of the global packed batch and
+            the result is exactly this rank's slice of the single-rank result, for every option.
+            `cu_seqlens` comes from the context (if given it must be the global offsets).
+            `initial_state` is `[N_global, HV, K, V]` (same on every rank), each row used on the
+            rank where its sequence starts, its gradient holding those rows (sum over the group
+            = full gradient); the final state is `[N_global, ...]` with the rows of the sequences
+            that END on this rank and zeros elsewhere (sum over the group = every final state).
+            A collective: every rank of the group calls it.
 
     Numerics: the delta rule is only stable when `beta_t * |k_t|^2 <= 2` (each update
     `I - beta k k^T` must be a contraction); with beta near 1 that needs L2-normalised keys.
@@ -146,9 +162,13 @@ def chunk_kda(
         o `[B, T, HV, V]` in v's dtype and the final state (fp32) or None.
     """
     if cp_context is not None:
-        raise NotImplementedError("chunk_kda with cp_context is not supported yet (the CP runtime wires it)")
-    dims = check_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, allow_gva=True,
-                        state_v_first=state_v_first)
+        cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g, beta=beta)
+    dims = check_inputs(q, k, v, g, beta, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
+                        allow_gva=True, state_v_first=state_v_first)
+    if cp_context is not None and initial_state is not None:
+        shape = (dims.V, dims.K) if state_v_first else (dims.K, dims.V)
+        check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.HV, *shape),
+                     device=q.device)
     scale = check_scale(scale, dims.K)
     _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
     if not use_gate_in_kernel:
@@ -158,5 +178,5 @@ def chunk_kda(
     return ChunkKDAFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, None if lower_bound is None else float(lower_bound), disable_recompute, state_v_first,
-        cu_seqlens,
+        cu_seqlens, cp_context,
     )

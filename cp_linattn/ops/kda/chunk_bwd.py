@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -291,8 +292,13 @@ def chunk_kda_bwd(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    cp_record: BoundaryExchange | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of chunked KDA (q, k already normalised if the op normalises them).
+
+    Under CP (`cp_record` from the forward), initial_state is the LOCAL `[num_seqs, ...]`
+    initial states the forward ran with, dht the gradient of the `[N_global, ...]` final
+    state, and dh0 comes back local (the op maps it to the user's tensor).
 
     saved: at least Aqk and Akk from `chunk_kda_fwd`; with gk, w, u, qg, kg, h, v_new too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
@@ -326,6 +332,8 @@ def chunk_kda_bwd(
             v_new, Aqk, do, dS, dv_o, cu_seqlens, chunk_indices, float(scale), T,
             HV=HV, V=V, BT=CHUNK_SIZE, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
         )
+    if cp_record is not None:
+        dht = kda_final_state_grad(qg, kg, w, gk, do, dv_o, scale, dht, cp_record, state_v_first)
     dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(
         qg, kg, w, gk, do, dv_o, scale, dht, initial_state is not None, cu_seqlens, chunk_indices,
         chunk_offsets, CHUNK_SIZE, state_v_first,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.cp.context import FLACPContext
+from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_state
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -196,18 +198,34 @@ def chunk_kda_fwd(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Forward of chunked KDA on validated inputs (q, k already normalised if asked).
 
+    Under `cp_context`, `initial_state` is the user's `[N_global, ...]` tensor: the state
+    entering this rank's first sequence comes from the boundary exchange (cp/state.py) and
+    the final state is `[N_global, ...]` with the rows of the sequences ending here.
+
     Returns o (`[B, T, HV, V]`, v's dtype), the fp32 final state or None, and the
-    intermediates (`chunk_kda_fwd_prepare`'s plus h and v_new) for the backward.
+    intermediates (`chunk_kda_fwd_prepare`'s plus h, v_new, the local initial states `h0`
+    and, under CP, the exchange record `cp_record`) for the backward.
     """
     saved = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                                   cu_seqlens, chunk_indices)
+    h0, record = initial_state, None
+    if cp_context is not None:
+        S_in, record = kda_incoming_state(saved["kg"], saved["w"], saved["u"], saved["gk"], initial_state,
+                                          cp_context, state_v_first)
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        if S_in is not None and state_v_first:
+            S_in = S_in.transpose(-1, -2)
+        h0 = expand_h0(S_in, initial_state, cp_context, (HV, V, K) if state_v_first else (HV, K, V))
     h, v_new, final_state = chunk_delta_rule_fwd_h(
-        saved["kg"], saved["w"], saved["u"], saved["gk"], initial_state, output_final_state,
+        saved["kg"], saved["w"], saved["u"], saved["gk"], h0, output_final_state,
         cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     o = kda_output(saved["qg"], v_new, h, saved["Aqk"], scale, cu_seqlens, chunk_indices, out_dtype=v.dtype)
-    saved.update(h=h, v_new=v_new)
+    if cp_context is not None and final_state is not None:
+        final_state = scatter_final_state(final_state, cp_context, cp_context.global_num_seqs, initial_state)
+    saved.update(h=h, v_new=v_new, h0=h0, cp_record=record)
     return o, final_state, saved
