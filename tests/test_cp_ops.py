@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import requires_cuda
 from tests.multirank import run_ranks
 
 TOL = 2e-5
@@ -36,6 +37,9 @@ def _make_inputs(op: str, cu: list[int], H: int, K: int, V: int, seed: int, opti
     if options.get("gate_in_kernel"):
         extra["A_log"] = rnd(HV) * 0.5
         extra["dt_bias"] = rnd(HV * K) * 0.5
+    device, dtype = options.get("device", "cpu"), getattr(torch, options.get("dtype", "float32"))
+    x = {n: t.to(device, dtype) for n, t in x.items()}
+    extra = {n: None if t is None else t.to(device) for n, t in extra.items()}
     return x, extra
 
 
@@ -65,7 +69,8 @@ def _cp_worker(rank: int, world_size: int, op: str, cases: list[dict]) -> list[d
     results = []
     for case in cases:
         x, extra = _make_inputs(op, case["cu"], case["H"], case["K"], case["V"], case["seed"], case["options"])
-        ctx = build_cp_context(torch.tensor(case["cu"]), split=case.get("split"), comm=case["comm"])
+        device = torch.device(case["options"].get("device", "cpu"))
+        ctx = build_cp_context(torch.tensor(case["cu"], device=device), split=case.get("split"), comm=case["comm"])
         local = {n: shard(t, ctx) for n, t in x.items()}
         o, ht, leaves, params = _run_op(op, local, extra, case["options"], None, ctx)
         loss = (o * shard(extra["do"], ctx)).sum()
@@ -82,7 +87,8 @@ def _cp_worker(rank: int, world_size: int, op: str, cases: list[dict]) -> list[d
 
 def _reference(op: str, case: dict):
     x, extra = _make_inputs(op, case["cu"], case["H"], case["K"], case["V"], case["seed"], case["options"])
-    o, ht, leaves, params = _run_op(op, x, extra, case["options"], torch.tensor(case["cu"]), None)
+    cu = torch.tensor(case["cu"], device=case["options"].get("device", "cpu"))
+    o, ht, leaves, params = _run_op(op, x, extra, case["options"], cu, None)
     loss = (o * extra["do"]).sum()
     if ht is not None:
         loss = loss + (ht * extra["dht"]).sum()
@@ -90,23 +96,24 @@ def _reference(op: str, case: dict):
     return o.detach(), ht, {n: t.grad for n, t in leaves.items()}, {n: t.grad for n, t in params.items()}
 
 
-def _close(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-    err = (got.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-    assert err <= TOL * max(1.0, ref.abs().max().item()), f"{name}: max abs err {err:.3e}"
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
+    got, ref = got.float().cpu(), ref.float().cpu()
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= tol * max(1.0, ref.abs().max().item()), f"{name}: max abs err {err:.3e}"
 
 
-def _check_cases(op: str, world_size: int, cases: list[dict]) -> None:
+def _check_cases(op: str, world_size: int, cases: list[dict], tol: float = TOL) -> None:
     per_rank = run_ranks(_cp_worker, world_size, op, cases, timeout=600)
     for i, case in enumerate(cases):
         o, ht, grads, param_grads = _reference(op, case)
         label = f"{op} world={world_size} case={case}"
-        _close(f"o [{label}]", torch.cat([r[i]["o"] for r in per_rank], 1), o)
+        _close(f"o [{label}]", torch.cat([r[i]["o"].cpu() for r in per_rank], 1), o, tol)
         for n, g in grads.items():
-            _close(f"d{n} [{label}]", torch.cat([r[i]["grads"][n] for r in per_rank], 1), g)
+            _close(f"d{n} [{label}]", torch.cat([r[i]["grads"][n].cpu() for r in per_rank], 1), g, tol)
         for n, g in param_grads.items():
-            _close(f"d{n} [{label}]", sum(r[i]["param_grads"][n] for r in per_rank), g)
+            _close(f"d{n} [{label}]", sum(r[i]["param_grads"][n].cpu() for r in per_rank), g, tol)
         if ht is not None:
-            _close(f"final_state [{label}]", sum(r[i]["ht"] for r in per_rank), ht.detach())
+            _close(f"final_state [{label}]", sum(r[i]["ht"].cpu() for r in per_rank), ht.detach(), tol)
 
 
 def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]:
@@ -186,3 +193,17 @@ def test_kda_cp_matches_single_rank(world_size, comm):
 )
 def test_kda_cp_options(options):
     _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", ["gla", "kda"])
+@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
+def test_cp_on_one_gpu_bf16(op, comm):
+    """Several gloo processes sharing the one GPU (NCCL needs a GPU per rank): CUDA tensors
+    cross ranks through gloo's all_gather or CPU-staged send/recv; bf16 at real head sizes."""
+    options = dict(device="cuda", dtype="bfloat16", h0=True, ht=True, gate_scale=0.1)
+    if op == "kda":
+        options.update(gva=2, gate_in_kernel=True, l2norm=True)
+    cases = [dict(H=4, K=128, V=128, comm=comm, options=options, cu=cu, seed=s)
+             for s, cu in enumerate([[0, 1000, 5000, 8191], [0, 8192]])]
+    _check_cases(op, 4, cases, tol=2e-2)

@@ -1,0 +1,238 @@
+"""Benchmark our chunk_gla / fused_chunk_gla / chunk_kda against FLA 0.6.0 and torch SDPA.
+
+Same process, same inputs: bf16, B=1, H=16, K=V=128. Every op is called forward+backward
+once before timing so Triton compilation and FLA's autotuning stay out of the figures
+(the compile time of that first call is reported separately). Timings are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed between runs).
+
+    python scripts/bench_ops.py --out bench_out        # writes results.json, results.md, throughput.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+H, K, V = 16, 128, 128
+
+
+def _measure_copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
+def _varlen_cu_seqlens(total: int, seed: int = 0) -> torch.Tensor:
+    """Mixed document lengths (64..8192, log-uniform), packed to exactly `total` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens, left = [], total
+    while left > 0:
+        n = int(math.exp(torch.empty(1).uniform_(math.log(64), math.log(8192), generator=g).item()))
+        n = min(n, left)
+        lens.append(n)
+        left -= n
+    return torch.tensor([0] + lens).cumsum(0).cuda()
+
+
+def _inputs(op: str, T: int, HV: int):
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, T, H, K, device=dev, dtype=dt)
+    k = torch.randn(1, T, H, K, device=dev, dtype=dt)
+    if op.startswith("kda"):
+        q, k = F.normalize(q.float(), dim=-1).to(dt), F.normalize(k.float(), dim=-1).to(dt)
+    v = torch.randn(1, T, HV, V, device=dev, dtype=dt)
+    g = F.logsigmoid(torch.randn(1, T, HV, K, device=dev, dtype=torch.float32)).to(dt)
+    beta = torch.rand(1, T, HV, device=dev, dtype=dt)
+    return q, k, v, g, beta
+
+
+def _op_fn(name: str, lib: str, T: int, cu_seqlens):
+    """Returns (callable producing the output, list of leaf tensors needing grad)."""
+    HV = 2 * H if "gva" in name else H
+    q, k, v, g, beta = _inputs(name, T, HV)
+    extra = {}
+    if name == "kda_gate":
+        g = torch.randn_like(g)
+        extra = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, device="cuda"),
+                     dt_bias=torch.randn(HV * K, device="cuda"))
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    if name == "sdpa":
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+        return (lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)), leaves
+    if lib == "fla":
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    if name in ("gla", "fused_gla"):
+        if lib == "ours":
+            from cp_linattn import chunk_gla, fused_chunk_gla
+            if name == "fused_gla":
+                return (lambda: fused_chunk_gla(q, k, v, g, head_first=False)[0]), leaves
+            return (lambda: chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
+        return (lambda: fla_chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
+    fn = None
+    if lib == "ours":
+        from cp_linattn import chunk_kda as fn
+    else:
+        fn = fla_chunk_kda
+    return (lambda: fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, **extra)[0]), leaves
+
+
+def _bytes_moved(name: str, T: int, fwd_only: bool) -> int:
+    """Lower bound of HBM traffic: inputs, outputs and gradients once each, plus the fp32
+    per-chunk states written once in the forward and read once in the backward."""
+    HV = 2 * H if "gva" in name else H
+    bf = 2
+    inputs = T * (2 * H * K + HV * V + HV * K + (HV if name.startswith("kda") else 0)) * bf
+    out = T * HV * V * bf
+    states = math.ceil(T / 64) * HV * K * V * 4
+    if fwd_only:
+        return inputs + out + states
+    return 2 * inputs + 2 * out + 2 * states  # backward re-reads inputs + do, writes grads
+
+
+def _flops(name: str, T: int, fwd_only: bool) -> float:
+    """FLOPs of the chunked algorithm (C = 64): intra-chunk C x C products, state update and
+    state read-out; the delta rule adds the WY products (Akk, w, u and v_new = u - w h)."""
+    C, HV = 64, (2 * H if "gva" in name else H)
+    if name == "sdpa":
+        fwd = 2 * 2 * T * T * K * H / 2
+        return fwd if fwd_only else 3.5 * fwd
+    per_token = 2 * C * K + 2 * C * V + 4 * K * V
+    if name.startswith("kda"):
+        per_token += 2 * C * K + 2 * C * K + 2 * C * V + 2 * K * V
+    fwd = per_token * T * HV
+    return fwd if fwd_only else 3 * fwd
+
+
+def bench_one(name: str, lib: str, T: int, cu_seqlens) -> dict:
+    fn, leaves = _op_fn(name, lib, T, cu_seqlens)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    do = torch.randn_like(out)
+    out.backward(do)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        fn().backward(do)
+
+    fwd_ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    fb_ms = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row = dict(op=name, lib=lib, T=T, varlen=cu_seqlens is not None, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+               peak_mib=peak, compile_s=compile_s)
+    if name != "sdpa":
+        row["fwd_bwd_GBps"] = _bytes_moved(name, T, False) / (fb_ms * 1e-3) / 1e9
+    row["fwd_bwd_TFLOPs"] = _flops(name, T, False) / (fb_ms * 1e-3) / 1e12
+    row["tokens_per_s"] = T / (fb_ms * 1e-3)
+    return row
+
+
+CASES = {
+    "gla": [("gla", "ours"), ("fused_gla", "ours"), ("gla", "fla")],
+    "kda": [("kda", "ours"), ("kda", "fla")],
+    "kda_gva": [("kda_gva", "ours"), ("kda_gva", "fla")],
+    "kda_gate": [("kda_gate", "ours"), ("kda_gate", "fla")],
+    "sdpa": [("sdpa", "torch")],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--groups", nargs="+", default=list(CASES))
+    p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the varlen case; 0 skips it")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bw = _measure_copy_bandwidth()
+    rows = []
+    for group in args.groups:
+        for T in args.T + ([None] if group != "sdpa" and args.varlen_total > 0 else []):
+            cu = None
+            if T is None:
+                T, cu = args.varlen_total, _varlen_cu_seqlens(args.varlen_total)
+            for name, lib in CASES[group]:
+                if name == "fused_gla" and cu is not None:
+                    continue
+                try:
+                    row = bench_one(name, lib, T, cu)
+                except Exception as e:  # report and go on: one failing config must not hide the rest
+                    row = dict(op=name, lib=lib, T=T, varlen=cu is not None, error=f"{type(e).__name__}: {e}"[:300])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"))
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out / "results.md").write_text(_markdown(rows, meta))
+    _plot(rows, out / "throughput.png")
+    print((out / "results.md").read_text())
+
+
+def _markdown(rows, meta) -> str:
+    lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
+             f"measured copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s", ""]
+    ref = {(r["op"].replace("fused_", ""), r["T"], r["varlen"]): r for r in rows if r["lib"] == "fla" and "error" not in r}
+    lines.append("| op | lib | T | fwd ms | fwd+bwd ms | FLA/ours f+b | peak MiB | GB/s f+b | % of copy bw | TFLOP/s |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        T = f"{r['T']}{' varlen' if r['varlen'] else ''}"
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['lib']} | {T} | error: {r['error']} | | | | | | |")
+            continue
+        f = ref.get((r["op"].replace("fused_", ""), r["T"], r["varlen"]))
+        ratio = f"{f['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if f and r["lib"] != "fla" else ""
+        gbps = r.get("fwd_bwd_GBps")
+        bw = f"{gbps:.0f} | {100 * gbps / meta['copy_bandwidth_GBps']:.0f}%" if gbps else " | "
+        lines.append(f"| {r['op']} | {r['lib']} | {T} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {ratio} | "
+                     f"{r['peak_mib']:.0f} | {bw} | {r['fwd_bwd_TFLOPs']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, family in zip(axes, ("gla", "kda")):
+        for r_op, r_lib in {(r["op"], r["lib"]) for r in rows if r["op"] in (family, f"fused_{family}", "sdpa")}:
+            pts = sorted((r["T"], r["tokens_per_s"]) for r in rows
+                         if r["op"] == r_op and r["lib"] == r_lib and not r["varlen"] and "error" not in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{r_op} ({r_lib})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("fwd+bwd tokens/s (B=1, H=16, K=V=128, bf16)")
+        ax.set_title(family.upper())
+        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
