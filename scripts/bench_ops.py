@@ -54,7 +54,7 @@ def _inputs(op: str, T: int, HV: int):
     return q, k, v, g, beta
 
 
-def _op_fn(name: str, lib: str, T: int, cu_seqlens):
+def make_op(name: str, lib: str, T: int, cu_seqlens):
     """Returns (callable producing the output, list of leaf tensors needing grad)."""
     HV = 2 * H if "gva" in name else H
     q, k, v, g, beta = _inputs(name, T, HV)
@@ -113,7 +113,7 @@ def _flops(name: str, T: int, fwd_only: bool) -> float:
 
 
 def bench_one(name: str, lib: str, T: int, cu_seqlens) -> dict:
-    fn, leaves = _op_fn(name, lib, T, cu_seqlens)
+    fn, leaves = make_op(name, lib, T, cu_seqlens)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
 
 
@@ -92,10 +93,7 @@ def delta_rule_fwd_h_kernel(
     if HAS_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
-    n_chunks = tl.cdiv(seq_len, BT)
-    # A while loop: the interpreter cannot take a loaded length as a range() bound.
-    i_t = tl.zeros([], dtype=tl.int32)
-    while i_t < n_chunks:
+    for i_t in range(0, tl.cdiv(seq_len, BT)):
         tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
@@ -111,7 +109,6 @@ def delta_rule_fwd_h_kernel(
         b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
         b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
             tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
-        i_t += 1
 
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
@@ -146,9 +143,10 @@ def delta_rule_bwd_dhu_kernel(
     if HAS_DHT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
-    n_chunks = tl.cdiv(seq_len, BT)
-    i_t = n_chunks - 1
-    while i_t >= 0:
+    # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
+    n_steps = tl.cdiv(seq_len, BT)
+    for i_rev in range(0, n_steps):
+        i_t = n_steps - 1 - i_rev
         tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
@@ -167,18 +165,17 @@ def delta_rule_bwd_dhu_kernel(
         b_dh = b_dh * tl.exp(b_g_last)[:, None]
         b_dh += scale * tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype), input_precision=DOT_PREC)
-        i_t -= 1
 
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
 
 
-def delta_state_block_sizes(K: int, V: int) -> tuple[int, int]:
-    """The whole (power-of-two padded) key dim per program; the value dim is split so the
-    fp32 state slice stays at <= 8192 elements (32 KiB of registers)."""
+def delta_state_block_sizes(kernel: str, K: int, V: int) -> tuple[int, int]:
+    """The whole (power-of-two padded) key dim per program, since `w @ h` contracts over it;
+    the value dim is split so the fp32 state slice stays at <= 8192 elements (32 KiB of
+    registers) and below the kernel's cap."""
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
-    return BK, BV
+    return BK, min(tile(kernel, "BV", V), max(16, 8192 // BK))
 
 
 def _sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
@@ -238,13 +235,14 @@ def chunk_delta_rule_fwd_h(
     final_state = None
     if output_final_state:
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    BK, BV = delta_state_block_sizes(K, V)
+    BK, BV = delta_state_block_sizes("delta_rule_fwd_h", K, V)
     if N * HV > 0:
         delta_rule_fwd_h_kernel[(triton.cdiv(V, BV), N * HV)](
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_H0=initial_state is not None, STORE_HT=output_final_state, STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype),
+            **launch_options("delta_rule_fwd_h"),
         )
     return h, v_new, final_state
 
@@ -296,13 +294,14 @@ def chunk_delta_rule_bwd_dhu(
     dh0 = None
     if need_dh0:
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    BK, BV = delta_state_block_sizes(K, V)
+    BK, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
     if N * HV > 0:
         delta_rule_bwd_dhu_kernel[(triton.cdiv(V, BV), N * HV)](
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_DHT=dht is not None, STORE_DH0=need_dh0, STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype),
+            **launch_options("delta_rule_bwd_dhu"),
         )
     return dh, dh0, dv2
 

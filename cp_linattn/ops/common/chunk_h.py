@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
 
 
@@ -28,12 +29,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get true fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16
     operands are exact in any mode."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def state_block_sizes(K: int, V: int) -> tuple[int, int]:
-    """Tile sizes of the [K, V] state: powers of two, >= 16 because tl.dot needs it, <= 64 to
-    bound registers; larger heads are covered by more programs."""
-    return max(16, min(64, triton.next_power_of_2(K))), max(16, min(64, triton.next_power_of_2(V)))
 
 
 @triton.jit
@@ -75,10 +70,7 @@ def chunk_state_forward_kernel(
     if HAS_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
-    n_chunks = tl.cdiv(seq_len, BT)
-    # A while loop because the interpreter cannot use a loaded length as a range() bound.
-    i_t = tl.zeros([], dtype=tl.int32)
-    while i_t < n_chunks:
+    for i_t in range(0, tl.cdiv(seq_len, BT)):
         tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
@@ -92,7 +84,6 @@ def chunk_state_forward_kernel(
         b_k_to_end = tl.where(m_t[:, None], b_k * tl.exp(b_g_last[None, :] - b_g), 0)
         b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
             tl.trans(b_k_to_end.to(b_v.dtype)), b_v, input_precision=DOT_PREC)
-        i_t += 1
 
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
@@ -122,9 +113,10 @@ def chunk_state_backward_kernel(
     if HAS_DHT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
-    n_chunks = tl.cdiv(seq_len, BT)
-    i_t = n_chunks - 1
-    while i_t >= 0:
+    # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
+    n_steps = tl.cdiv(seq_len, BT)
+    for i_rev in range(0, n_steps):
+        i_t = n_steps - 1 - i_rev
         tl.store(dh + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_dh, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
@@ -137,7 +129,6 @@ def chunk_state_backward_kernel(
         b_q_from_start = tl.where(m_t[:, None], b_q * tl.exp(b_g) * scale, 0)
         b_dh = b_dh * tl.exp(b_g_last)[:, None] + tl.dot(
             tl.trans(b_q_from_start.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
-        i_t -= 1
 
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
@@ -194,14 +185,14 @@ def chunk_fwd_h(
     h0 = h0.contiguous() if h0 is not None else None
     h = k.new_empty(B, NT, H, K, V, dtype=torch.float32)
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    BK, BV = state_block_sizes(K, V)
+    BK, BV = tile("chunk_state_forward", "BK", K), tile("chunk_state_forward", "BV", V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_forward_kernel[grid](
             k, v, gk, h, h0, ht, cu_seqlens, chunk_offsets, T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-            DOT_PREC=dot_precision(v.dtype),
+            DOT_PREC=dot_precision(v.dtype), **launch_options("chunk_state_forward"),
         )
     return h, ht
 
@@ -246,13 +237,13 @@ def chunk_bwd_dh(
     dht = dht.contiguous() if dht is not None else None
     dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    BK, BV = state_block_sizes(K, V)
+    BK, BV = tile("chunk_state_backward", "BK", K), tile("chunk_state_backward", "BV", V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_backward_kernel[grid](
             q, gk, do, dh, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
-            DOT_PREC=dot_precision(q.dtype),
+            DOT_PREC=dot_precision(q.dtype), **launch_options("chunk_state_backward"),
         )
     return dh, dh0

@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision, state_block_sizes
+from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
+from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
 
 CHUNK_SIZE = 64
@@ -258,10 +259,10 @@ def chunk_gla_bwd_dqkg_kernel(
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
-def _launch_shape(q: torch.Tensor, v: torch.Tensor):
+def _launch_shape(kernel: str, q: torch.Tensor, v: torch.Tensor):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return (B, T, H, K, V, *state_block_sizes(K, V))
+    return B, T, H, K, V, tile(kernel, "BK", K), tile(kernel, "BV", V)
 
 
 def chunk_gla_fwd_o(
@@ -270,14 +271,14 @@ def chunk_gla_fwd_o(
 ) -> torch.Tensor:
     """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and the states h
     (fp32 `[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`)."""
-    B, T, H, K, V, BK, BV = _launch_shape(q, v)
+    B, T, H, K, V, BK, BV = _launch_shape("gla_fwd_o", q, v)
     NT = h.shape[1]
     o = torch.empty_like(v)
     if NT > 0:
         chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
             q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_fwd_o"),
         )
     return o
 
@@ -287,14 +288,14 @@ def chunk_gla_bwd_dv(
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dv `[B, T, H, V]` in do's dtype; dh fp32 `[B, NT, H, K, V]` from `chunk_bwd_dh`."""
-    B, T, H, K, V, BK, BV = _launch_shape(q, do)
+    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dv", q, do)
     NT = dh.shape[1]
     dv = torch.empty_like(do)
     if NT > 0:
         chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
             q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_bwd_dv"),
         )
     return dv
 
@@ -305,7 +306,7 @@ def chunk_gla_bwd_dqkg(
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk (q's dtype) and dg (fp32), all `[B, T, H, K]`."""
-    B, T, H, K, V, BK, BV = _launch_shape(q, v)
+    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dqkg", q, v)
     NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(gk)
@@ -313,7 +314,7 @@ def chunk_gla_bwd_dqkg(
         chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
             q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_bwd_dqkg"),
         )
     return dq, dk, dg
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
 
 CHUNK = 16
@@ -118,10 +120,7 @@ def fused_chunk_gla_fwd_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
-    NT = tl.cdiv(T, BT)
-    # while, not range(): the interpreter (numpy 2) cannot take a runtime range() bound.
-    i_t = 0
-    while i_t < NT:
+    for i_t in range(0, tl.cdiv(T, BT)):
         m_t = i_t * BT + o_t < T
         p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
         p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
@@ -142,7 +141,6 @@ def fused_chunk_gla_fwd_kernel(
 
         b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
         b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=DOT_PRECISION)
-        i_t += 1
     if STORE_HT:
         tl.store(ht + p_h, b_h.to(ht.dtype.element_ty), mask=m_h)
 
@@ -165,6 +163,7 @@ def fused_chunk_gla_bwd_kernel(
     USE_DHT: tl.constexpr,
     STORE_DH0: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STATE_PRECISION: tl.constexpr,
 ):
     """All gradients of one (K-block, V-block) of one (batch, head).
 
@@ -172,6 +171,11 @@ def fused_chunk_gla_bwd_kernel(
     dq, dk, dg `[NV, *q.shape]` (dg fp32) summed over V-blocks by the caller, dv
     `[NK, *v.shape]` summed over K-blocks, dh0 `[B, H, K, V]` fp32 (each block owns its part).
     Grid: (NV, NK, B * H).
+
+    The gate gradient is a reverse cumulative sum over the whole sequence of
+    `q*dq - k*dk`, a difference of large terms: bf16-rounded states in dq and dk would
+    leave an error that grows with T. So every product with h or dh (and their updates)
+    takes fp32 operands at STATE_PRECISION (fp32-accurate), for any input dtype.
     """
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -195,8 +199,7 @@ def fused_chunk_gla_bwd_kernel(
     if USE_H0:
         b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
     NT = tl.cdiv(T, BT)
-    i_t = 0
-    while i_t < NT:
+    for i_t in range(0, NT):
         m_t = i_t * BT + o_t < T
         p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
         p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
@@ -208,12 +211,12 @@ def fused_chunk_gla_bwd_kernel(
         b_v = tl.load(v + p_vd, mask=m_tv, other=0)
         b_do = tl.load(do + p_vd, mask=m_tv, other=0)
 
-        b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
+        b_dq = tl.dot(b_do.to(tl.float32), tl.trans(b_h), input_precision=STATE_PRECISION)
         tl.store(dg + p_kd, scale * tl.exp(b_gc) * b_dq, mask=m_tk)
 
-        b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
-        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=DOT_PRECISION)
-        i_t += 1
+        b_kd = b_k.to(tl.float32) * tl.exp(b_glast[None, :] - b_gc)
+        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v.to(tl.float32),
+                                                      input_precision=STATE_PRECISION)
 
     # b_h is now the final state: the final-state gradient reaches every gate through the
     # total decay, so sum_v(h_T * dht) starts the gate gradient's reverse cumulative sum.
@@ -225,8 +228,10 @@ def fused_chunk_gla_bwd_kernel(
     # The reverse sweep reads dq values that other threads of this program stored above.
     tl.debug_barrier()
 
-    i_t = NT - 1
-    while i_t >= 0:
+    # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
+    n_steps = NT
+    for i_rev in range(0, n_steps):
+        i_t = n_steps - 1 - i_rev
         m_t = i_t * BT + o_t < T
         p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
         p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
@@ -248,7 +253,7 @@ def fused_chunk_gla_bwd_kernel(
         b_kdecay = tl.exp(b_glast[None, :] - b_gc)
         b_dv = tl.dot(tl.trans(b_a).to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
         b_dv += tl.dot((b_k * b_kdecay).to(b_v.dtype), b_dh.to(b_v.dtype), input_precision=DOT_PRECISION)
-        b_dk += b_kdecay * tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        b_dk += b_kdecay * tl.dot(b_v.to(tl.float32), tl.trans(b_dh), input_precision=STATE_PRECISION)
 
         # d(cumulative gate) = q*dq - k*dk; the raw gate's gradient is its reverse cumsum
         # over the whole sequence: in-chunk part plus what the later chunks carried.
@@ -262,24 +267,21 @@ def fused_chunk_gla_bwd_kernel(
         tl.store(dg + p_kd, b_dg, mask=m_tk)
         tl.store(dv + p_vd, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
-        b_qg = (b_qs * tl.exp(b_gc)).to(b_do.dtype)
-        b_dh = b_dh * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PRECISION)
-        i_t -= 1
+        b_qg = b_qs * tl.exp(b_gc)
+        b_dh = b_dh * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(tl.float32),
+                                                        input_precision=STATE_PRECISION)
     if STORE_DH0:
         tl.store(dh0 + p_h, b_dh, mask=m_h)
 
 
-def _launch_config(K: int, V: int, dtype: torch.dtype) -> dict:
-    """Block sizes (tl.dot needs every dim >= 16), warps, and the fp32 dot precision.
+def _launch_config(kernel: str, K: int, V: int, dtype: torch.dtype) -> dict:
+    """Block sizes, warps and stages (ops/launch.py), and the fp32 dot precision.
 
     fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
     """
     return dict(
-        BT=CHUNK,
-        BK=max(16, min(64, triton.next_power_of_2(K))),
-        BV=max(16, min(64, triton.next_power_of_2(V))),
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=4,
+        BT=CHUNK, BK=tile(kernel, "BK", K), BV=tile(kernel, "BV", V),
+        DOT_PRECISION=dot_precision(dtype), **launch_options(kernel),
     )
 
 
@@ -313,7 +315,7 @@ def fused_chunk_gla_fwd(
     """
     B, T, H, K = _shape(q, head_first)
     V = v.shape[-1]
-    cfg = _launch_config(K, V, q.dtype)
+    cfg = _launch_config("fused_chunk_gla_fwd", K, V, q.dtype)
     NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
     o = v.new_empty(NK, *v.shape, dtype=v.dtype if NK == 1 else torch.float32)
     ht = q.new_empty(B, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -340,7 +342,7 @@ def fused_chunk_gla_bwd(
     """Launch the backward kernel; returns dq, dk, dv, dg (dtypes of q, k, v, g) and fp32 dh0."""
     B, T, H, K = _shape(q, head_first)
     V = v.shape[-1]
-    cfg = _launch_config(K, V, q.dtype)
+    cfg = _launch_config("fused_chunk_gla_bwd", K, V, q.dtype)
     NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
     dq = q.new_empty(NV, *q.shape, dtype=q.dtype if NV == 1 else torch.float32)
     dk = k.new_empty(NV, *k.shape, dtype=k.dtype if NV == 1 else torch.float32)
@@ -350,7 +352,8 @@ def fused_chunk_gla_bwd(
     fused_chunk_gla_bwd_kernel[(NV, NK, B * H)](
         q, k, v, g, do, initial_state, dht, dq, dk, dv, dg, dh0, scale, T,
         B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
-        USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg,
+        USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
+        STATE_PRECISION="ieee" if q.dtype == torch.float32 else "tf32x3", **cfg,
     )
     return (_sum_blocks(dq, q.dtype), _sum_blocks(dk, k.dtype), _sum_blocks(dv, v.dtype),
             _sum_blocks(dg, g.dtype), dh0)

@@ -32,6 +32,7 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, head_block_size, kda_intra_wy_fwd
+from cp_linattn.ops.launch import launch_options, tile
 
 
 @triton.jit
@@ -330,7 +331,8 @@ def chunk_kda_bwd(
     if NT * B * HV > 0:
         kda_bwd_dAv_kernel[(NT, B * HV)](
             v_new, Aqk, do, dS, dv_o, cu_seqlens, chunk_indices, float(scale), T,
-            HV=HV, V=V, BT=CHUNK_SIZE, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
+            HV=HV, V=V, BT=CHUNK_SIZE, BV=tile("kda_bwd_dAv", "BV", V), IS_VARLEN=is_varlen, DOT_PREC=prec,
+            **launch_options("kda_bwd_dAv"),
         )
     if cp_record is not None:
         dht = kda_final_state_grad(qg, kg, w, gk, do, dv_o, scale, dht, cp_record, state_v_first)
@@ -349,10 +351,12 @@ def chunk_kda_bwd(
             q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL,
             cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
+            **launch_options("kda_bwd_wy_dqkg"),
         )
         kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
             q, k, gk, beta, dS, dL, dq, dk, dgk, dbeta, cu_seqlens, chunk_indices, T,
             H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
+            **launch_options("kda_bwd_intra"),
         )
     if HV > H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.launch import launch_options
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -252,5 +253,6 @@ def kda_intra_wy_fwd(
             Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=head_block_size(K), BV=head_block_size(V),
             COMPUTE_A=compute_a, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+            **launch_options("kda_intra_wy_fwd"),
         )
     return w, u, qg, kg, Aqk, Akk

@@ -1,0 +1,45 @@
+"""Launch settings of every Triton kernel: tile-size caps, warps and software-pipeline stages.
+
+One table, keyed by kernel, so that `scripts/tune_launch.py` can sweep the values on a GPU
+without touching the kernels, and so that the values in use are visible in one place. The
+figures are the ones measured best on an H200 (bf16, H=16, K=V=128, T=32768; see
+BENCHMARKS.md). `BK`/`BV` are upper bounds: a launcher uses
+`min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs it). The Triton
+interpreter ignores warps and stages, so the CPU tests run the same tiles as the GPU.
+"""
+from __future__ import annotations
+
+import triton
+
+LAUNCH: dict[str, dict[str, int]] = {
+    # Sequential state recurrences (one program per state tile walks all chunks): small
+    # value tiles give more programs, which is what hides the per-chunk latency.
+    "chunk_state_forward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
+    "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
+    "delta_rule_fwd_h": dict(BV=32, num_warps=4, num_stages=3),
+    "delta_rule_bwd_dhu": dict(BV=32, num_warps=4, num_stages=2),
+    # Chunk-parallel GLA kernels: a V tile as wide as the head builds the intra-chunk
+    # scores once per chunk instead of once per V tile.
+    "gla_fwd_o": dict(BK=64, BV=128, num_warps=8, num_stages=2),
+    "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
+    "gla_bwd_dqkg": dict(BK=64, BV=32, num_warps=8, num_stages=2),
+    "kda_intra_wy_fwd": dict(num_warps=2, num_stages=2),
+    "kda_output": dict(BV=64, num_warps=4, num_stages=2),
+    "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
+    "kda_bwd_wy_dqkg": dict(num_warps=8, num_stages=2),
+    "kda_bwd_intra": dict(num_warps=4, num_stages=2),
+    "fused_chunk_gla_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "fused_chunk_gla_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+}
+
+_BLOCK_KEYS = ("BK", "BV")
+
+
+def launch_options(kernel: str) -> dict[str, int]:
+    """The `num_warps`/`num_stages` keyword arguments of `kernel`'s launch."""
+    return {k: v for k, v in LAUNCH[kernel].items() if k not in _BLOCK_KEYS}
+
+
+def tile(kernel: str, key: str, dim: int) -> int:
+    """Tile size along a head dim of `dim` elements: a power of two in [16, cap]."""
+    return max(16, min(LAUNCH[kernel][key], triton.next_power_of_2(dim)))

@@ -1,0 +1,127 @@
+"""Sweep the launch settings of ops/launch.py on a GPU and print a per-kernel profile.
+
+For each kernel of an op, one setting at a time (coordinate descent: warps, stages, tile
+caps), the op's forward+backward is timed with `triton.testing.do_bench` (median, after a
+compile-and-warm-up call) and the best value is kept before the next setting. The result is
+printed as the `LAUNCH` entries to paste into cp_linattn/ops/launch.py, with a
+torch.profiler breakdown (CUDA time per kernel) before and after.
+
+    python scripts/tune_launch.py --ops gla kda --T 32768 --json tune.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+from triton.runtime.errors import OutOfResources
+
+from bench_ops import make_op
+from cp_linattn.ops.launch import LAUNCH
+
+# The kernels each op launches in forward+backward, and the values tried for each setting.
+OP_KERNELS = {
+    "gla": ["chunk_state_forward", "chunk_state_backward", "gla_fwd_o", "gla_bwd_dv", "gla_bwd_dqkg"],
+    "kda": ["delta_rule_fwd_h", "delta_rule_bwd_dhu", "kda_intra_wy_fwd", "kda_output", "kda_bwd_dAv",
+            "kda_bwd_wy_dqkg", "kda_bwd_intra"],
+}
+CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (32, 64), "BV": (16, 32, 64, 128)}
+
+
+def time_fwd_bwd(op: str, T: int) -> float:
+    fn, leaves = make_op(op, "ours", T, None)
+    out = fn()
+    do = torch.randn_like(out)
+    out.backward(do)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        fn().backward(do)
+
+    return triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
+
+
+def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
+    """(kernel, CUDA ms per fwd+bwd, calls per fwd+bwd) sorted by time."""
+    fn, leaves = make_op(op, "ours", T, None)
+    out = fn()
+    do = torch.randn_like(out)
+    out.backward(do)
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for x in leaves:
+                x.grad = None
+            fn().backward(do)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count // reps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def print_profile(title: str, rows: list[tuple[str, float, int]]) -> None:
+    total = sum(r[1] for r in rows)
+    print(f"\n{title}: {total:.2f} ms of kernels per fwd+bwd")
+    for name, ms, calls in rows[:14]:
+        print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{calls:<3d} {name[:90]}")
+
+
+def tune(op: str, T: int, kernels: list[str], log: list) -> None:
+    best = time_fwd_bwd(op, T)
+    print(f"\n{op} T={T}: start {best:.3f} ms", flush=True)
+    for kernel in kernels:
+        for key in [k for k in CHOICES if k in LAUNCH[kernel]]:
+            start = LAUNCH[kernel][key]
+            for value in CHOICES[key]:
+                if value == LAUNCH[kernel][key]:
+                    continue
+                keep = LAUNCH[kernel][key]
+                LAUNCH[kernel][key] = value
+                t0 = time.perf_counter()
+                try:
+                    ms = time_fwd_bwd(op, T)
+                except OutOfResources as e:  # the value is simply not usable
+                    ms = float("inf")
+                    print(f"  {kernel}.{key}={value}: {str(e)[:120]}")
+                log.append(dict(op=op, kernel=kernel, key=key, value=value, ms=ms))
+                print(f"  {kernel}.{key}={value}: {ms:.3f} ms (best {best:.3f}, {time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+                if ms < best * 0.99:
+                    best = ms
+                else:
+                    LAUNCH[kernel][key] = keep
+            if LAUNCH[kernel][key] != start:
+                print(f"  -> {kernel}.{key}: {start} -> {LAUNCH[kernel][key]}")
+    print(f"{op} T={T}: tuned {best:.3f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", nargs="+", default=list(OP_KERNELS), choices=list(OP_KERNELS))
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--kernels", nargs="+", default=None, help="sweep only these (default: all of the op)")
+    p.add_argument("--no-sweep", action="store_true", help="only print the profile")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), time.strftime("%Y-%m-%d"), "triton", triton.__version__)
+    log: list = []
+    for op in args.ops:
+        print_profile(f"{op} T={args.T} (current settings)", kernel_profile(op, args.T))
+        if args.no_sweep:
+            continue
+        tune(op, args.T, [k for k in OP_KERNELS[op] if args.kernels is None or k in args.kernels], log)
+        print_profile(f"{op} T={args.T} (tuned)", kernel_profile(op, args.T))
+        for kernel in OP_KERNELS[op]:
+            print(f'    "{kernel}": dict({", ".join(f"{k}={v}" for k, v in LAUNCH[kernel].items())}),')
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(launch=LAUNCH, log=log), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
