@@ -1,0 +1,372 @@
+"""Cost of context parallelism (CP) for chunk_gla and chunk_kda, CP degree D emulated on one GPU.
+
+What it measures, per op and per D (bf16, B=1, H=16, K=V=128, one sequence of T=32768
+tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T/D tokens):
+
+- local: forward and forward+backward of the rank's slice as a plain single-rank call
+  (`cu_seqlens=[0, T/D]`, no cp_context): the kernels every rank runs anyway.
+- pre-process: the extra work of a CP rank, timed by calling the library's own functions
+  with the exact arguments the op passes them in a real CP step (captured from one):
+    forward  `*_incoming_state` (cp/state.py) + `expand_h0`: the state kernel over the
+             rank's last fragment from a zero state (GLA: `chunk_fwd_h` plus the diagonal
+             transition exp(sum g); KDA: the delta-rule `chunk_delta_rule_fwd_h` on [u, 0]
+             from [0, I], which yields S_ext and the K x K transition in one pass), the
+             all-gather, and the fp32 fold of the earlier ranks' (S_ext, M) into the
+             incoming initial state;
+    backward `*_final_state_grad`: the reverse state kernel over the rank's first fragment
+             from a zero gradient (GLA: `chunk_bwd_dh`; KDA: `chunk_delta_rule_bwd_dhu`, the
+             seed's dhu pre-process), the all-gather, and the fold of the later ranks.
+  Rank 0 runs only the forward fragment kernel, the last rank only the backward one, the
+  middle ranks both (and D - 1 fold steps in all); every rank is timed and the table shows
+  the one with the most pre-process time. Overhead = (pre fwd + pre bwd) / local fwd+bwd,
+  against the 10% target.
+- CP fwd+bwd: the whole op under cp_context, end to end, as a cross-check: its excess over
+  local also counts what the pre-process timing leaves out (host-side validation, the h0
+  and dht the local kernels then read, KDA's dh0 of the incoming state).
+
+How the emulation works: one process plays each rank in turn. A fake process group
+(torch's "fake" backend, world size D, rank r) gives `build_cp_context` and the op the
+rank and world size they ask for; the all-gather (`cp_linattn.cp.comm._all_gather_flat`)
+is replaced by a table of every rank's message. A rank's message never depends on what it
+receives (its fragment's state from a zero start and its transition; the gradient leaving
+its first fragment with none arriving), so after one pass over all ranks the table holds
+exactly what a real D-rank all-gather delivers: the incoming states are the real ones, and
+each rank's output and gradients are checked against the single-rank run of the whole
+sequence (column "max rel err"). The gates' decay rates are spread over the key channels so
+that state does cross whole ranks (with uniformly strong decay the transitions vanish and
+that check would not see them); kernel times do not depend on the values.
+
+Limits: communication is not timed (one GPU has none); the emulated all-gather, two device
+copies of the D small fp32 messages (a few microseconds), sits inside the pre-process
+figures. Ranks run one after another, so neither contention between ranks nor overlap of
+the pre-process with other work is modelled. Figures are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed between runs): they include host launch
+latency where the GPU would otherwise idle, which inflates the small kernels of large D.
+Without CUDA (`--smoke` under TRITON_INTERPRET=1) a wall-clock timer runs fp32 (the
+interpreter's bf16 tl.dot is wrong): those figures only show that the script works.
+
+    python scripts/bench_cp.py --json bench_out/cp.json
+    CUDA_VISIBLE_DEVICES='' TRITON_INTERPRET=1 python scripts/bench_cp.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+# Importing fake_pg registers torch's "fake" process-group backend (a single process that
+# believes it is rank r of D).
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# Run from a checkout whether or not the package is installed (an install may point elsewhere).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cp_linattn.cp.comm as cp_comm  # noqa: E402
+import cp_linattn.ops.gla.chunk as gla_chunk  # noqa: E402
+import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd  # noqa: E402
+import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd  # noqa: E402
+from cp_linattn import build_cp_context, chunk_gla, chunk_kda  # noqa: E402
+from cp_linattn.cp import FLACPContext, shard  # noqa: E402
+
+TARGET_PCT = 10.0
+CPU_REPS = 2  # the interpreter is slow and its timings mean nothing beyond "it runs"
+
+Tensors = dict[str, torch.Tensor]
+Timer = Callable[[Callable[[], object]], float]  # median milliseconds of a callable
+
+
+def _gla_inputs(T: int, H: int, K: int, V: int, device: torch.device, dtype: torch.dtype) -> Tensors:
+    # Decay rates spread over the key channels, as in trained models (per token from about
+    # -0.7 down to -5e-5): the slow channels carry state across whole ranks, so the incoming
+    # states and the transitions matter and the accuracy check sees them.
+    decay_bias = torch.linspace(0, 10, K, device=device)
+    return dict(
+        q=torch.randn(1, T, H, K, device=device, dtype=dtype),
+        k=torch.randn(1, T, H, K, device=device, dtype=dtype),
+        v=torch.randn(1, T, H, V, device=device, dtype=dtype),
+        g=F.logsigmoid(torch.randn(1, T, H, K, device=device) + decay_bias).to(dtype),
+    )
+
+
+def _kda_inputs(T: int, H: int, K: int, V: int, device: torch.device, dtype: torch.dtype) -> Tensors:
+    x = _gla_inputs(T, H, K, V, device, dtype)
+    # The delta rule is only stable with unit-norm keys (see chunk_kda's docstring).
+    x["q"], x["k"] = (F.normalize(x[n].float(), dim=-1).to(dtype) for n in ("q", "k"))
+    x["beta"] = torch.rand(1, T, H, device=device, dtype=dtype)
+    return x
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op, and the module-level names through which it calls its CP pre-processes:
+    wrapping them there sees exactly the calls a CP step makes."""
+
+    inputs: Callable[[int, int, int, int, torch.device, torch.dtype], Tensors]
+    call: Callable[..., torch.Tensor]  # call(x, cu_seqlens=..., cp_context=...) -> o
+    fwd_module: ModuleType  # calls `incoming` and `expand_h0`
+    incoming: str
+    bwd_module: ModuleType  # calls `final_grad`
+    final_grad: str
+
+    def hooks(self) -> dict[str, tuple[ModuleType, str]]:
+        return dict(incoming=(self.fwd_module, self.incoming), expand=(self.fwd_module, "expand_h0"),
+                    final_grad=(self.bwd_module, self.final_grad))
+
+
+OPS = {
+    "gla": OpSpec(_gla_inputs, lambda x, **kw: chunk_gla(x["q"], x["k"], x["v"], x["g"], **kw)[0],
+                  gla_chunk, "gla_incoming_state", gla_chunk, "gla_final_state_grad"),
+    "kda": OpSpec(_kda_inputs, lambda x, **kw: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0],
+                  kda_chunk_fwd, "kda_incoming_state", kda_chunk_bwd, "kda_final_state_grad"),
+}
+
+
+class EmulatedAllGather:
+    """Stands in for `dist.all_gather_into_tensor(out, inp, group)` of a D-rank group.
+
+    Keeps one `[D, n]` table per message kind (told apart by size, dtype and device: the
+    context's fingerprint, the forward (S_ext, M) and the backward dS_ext all differ); each
+    call stores the caller's row and returns the table. Rows of ranks not yet seen start as
+    copies of the caller's message (so identical fingerprints agree on the first pass).
+    """
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def __call__(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        key = (inp.numel(), inp.dtype, inp.device)
+        if key not in self.tables:
+            self.tables[key] = inp.expand(world, -1).clone()
+        table = self.tables[key]
+        table[rank].copy_(inp)
+        out.copy_(table.view(-1))
+
+
+@contextmanager
+def emulated_rank(rank: int, world_size: int) -> Iterator[None]:
+    """This process is rank `rank` of a `world_size` default group until the block ends."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def make_timer() -> Timer:
+    """Median milliseconds of a callable: do_bench on CUDA, a wall clock otherwise."""
+    if torch.cuda.is_available():
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def wall(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(CPU_REPS):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    return wall
+
+
+def _fwd(spec: OpSpec, x: Tensors, **kw) -> Callable[[], None]:
+    def run() -> None:
+        with torch.no_grad():
+            spec.call(x, **kw)
+    return run
+
+
+def _fwd_bwd(spec: OpSpec, x: Tensors, do: torch.Tensor, **kw) -> Callable[[], None]:
+    def run() -> None:
+        for t in x.values():
+            t.grad = None
+        spec.call(x, **kw).backward(do)
+    return run
+
+
+def _local_leaves(x_global: Tensors, ctx: FLACPContext) -> Tensors:
+    return {n: shard(t.detach(), ctx).clone().requires_grad_() for n, t in x_global.items()}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def captured_step(spec: OpSpec, x: Tensors, do: torch.Tensor,
+                  ctx: FLACPContext) -> tuple[torch.Tensor, dict[str, mock._Call]]:
+    """Run one CP forward+backward, recording the arguments of its pre-process calls.
+
+    Returns (o, {hook: call}). Raises if a hook was not called exactly once: then the op's
+    CP path changed and the replay would no longer time what a CP step runs.
+    """
+    with ExitStack() as stack:
+        mocks = {h: stack.enter_context(mock.patch.object(mod, attr, wraps=getattr(mod, attr)))
+                 for h, (mod, attr) in spec.hooks().items()}
+        o = spec.call(x, cp_context=ctx)
+        o.backward(do)
+    for h, m in mocks.items():
+        if m.call_count != 1:
+            raise RuntimeError(f"{spec.hooks()[h][1]} was called {m.call_count} times in one CP step, expected once")
+    return o.detach(), {h: m.call_args for h, m in mocks.items()}
+
+
+def pre_process_fns(spec: OpSpec, calls: dict[str, mock._Call]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Replays of the captured forward and backward pre-process calls (grad mode off, as
+    inside the autograd Function)."""
+    fn = {h: getattr(mod, attr) for h, (mod, attr) in spec.hooks().items()}
+    inc, exp, fin = calls["incoming"], calls["expand"], calls["final_grad"]
+
+    def forward() -> None:
+        with torch.no_grad():
+            S_in, _ = fn["incoming"](*inc.args, **inc.kwargs)
+            fn["expand"](S_in, *exp.args[1:], **exp.kwargs)
+
+    def backward() -> None:
+        with torch.no_grad():
+            fn["final_grad"](*fin.args, **fin.kwargs)
+
+    return forward, backward
+
+
+def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors,
+               ctx: FLACPContext, local_ms: dict[int, tuple[float, float]], timer: Timer) -> dict:
+    """Figures of the rank `ctx` describes; `local_ms` caches the local times by slice length."""
+    x, do = _local_leaves(x_global, ctx), shard(do_global, ctx)
+    o, calls = captured_step(spec, x, do, ctx)
+    err = max([_rel_err(o, shard(ref["o"], ctx))] + [_rel_err(t.grad, shard(ref[n], ctx)) for n, t in x.items()])
+    L = ctx.local_len
+    if L not in local_ms:
+        cu_local = torch.tensor([0, L], dtype=torch.int64, device=do.device)
+        local_ms[L] = timer(_fwd(spec, x, cu_seqlens=cu_local)), timer(_fwd_bwd(spec, x, do, cu_seqlens=cu_local))
+    pre_fwd, pre_bwd = pre_process_fns(spec, calls)
+    row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=L, local_fwd_ms=local_ms[L][0],
+               local_fwd_bwd_ms=local_ms[L][1], pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
+               cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)),
+               cp_fwd_bwd_ms=timer(_fwd_bwd(spec, x, do, cp_context=ctx)), max_rel_err=err)
+    row["overhead_pct"] = 100 * (row["pre_fwd_ms"] + row["pre_bwd_ms"]) / row["local_fwd_bwd_ms"]
+    row["cp_excess_pct"] = 100 * (row["cp_fwd_bwd_ms"] / row["local_fwd_bwd_ms"] - 1)
+    row["within_target"] = row["overhead_pct"] <= TARGET_PCT
+    return row
+
+
+def bench_degree(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors, D: int,
+                 timer: Timer) -> list[dict]:
+    cu_global = torch.tensor([0, do_global.shape[1]], dtype=torch.int64, device=do_global.device)
+    local_ms: dict[int, tuple[float, float]] = {}
+    rows = []
+    with mock.patch.object(cp_comm, "_all_gather_flat", EmulatedAllGather()):
+        # Pass 1: every rank sends its messages once (and the kernels compile).
+        for r in range(D):
+            with emulated_rank(r, D):
+                ctx = build_cp_context(cu_global)
+                spec.call(_local_leaves(x_global, ctx), cp_context=ctx).backward(shard(do_global, ctx))
+        # Pass 2: every gather now returns all ranks' true messages.
+        for r in range(D):
+            with emulated_rank(r, D):
+                rows.append(bench_rank(name, spec, x_global, do_global, ref, build_cp_context(cu_global), local_ms,
+                                       timer))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_op(name: str, T: int, H: int, K: int, V: int, degrees: list[int], device: torch.device,
+             dtype: torch.dtype, timer: Timer) -> list[dict]:
+    spec = OPS[name]
+    torch.manual_seed(0)
+    x_global = {n: t.requires_grad_() for n, t in spec.inputs(T, H, K, V, device, dtype).items()}
+    # The single-rank run of the whole sequence: what every CP rank's slice must reproduce.
+    o = spec.call(x_global, cu_seqlens=torch.tensor([0, T], dtype=torch.int64, device=device))
+    do_global = torch.randn_like(o)
+    o.backward(do_global)
+    ref = {"o": o.detach(), **{n: t.grad for n, t in x_global.items()}}
+    rows = []
+    for D in degrees:
+        rows += bench_degree(name, spec, x_global, do_global, ref, D, timer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per (op, D): the rank with the most pre-process time."""
+    lines = ["| op | D | tokens/rank | worst rank | local fwd ms | local fwd+bwd ms | pre fwd ms | pre bwd ms | "
+             f"pre / local f+b | <= {TARGET_PCT:.0f}% | CP fwd+bwd ms | CP excess | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
+        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=lambda r: r["pre_fwd_ms"] + r["pre_bwd_ms"])
+        lines.append(f"| {op} | {D} | {w['tokens']} | {w['rank']} | {w['local_fwd_ms']:.3f} | "
+                     f"{w['local_fwd_bwd_ms']:.3f} | {w['pre_fwd_ms']:.3f} | {w['pre_bwd_ms']:.3f} | "
+                     f"{w['overhead_pct']:.1f}% | {'yes' if w['within_target'] else 'no'} | "
+                     f"{w['cp_fwd_bwd_ms']:.3f} | {w['cp_excess_pct']:+.1f}% | {w['max_rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, help="global tokens (default 32768; --smoke 256)")
+    p.add_argument("--H", type=int, help="heads (default 16; --smoke 2)")
+    p.add_argument("--K", type=int, help="key head dim (default 128; --smoke 32)")
+    p.add_argument("--V", type=int, help="value head dim (default 128; --smoke 32)")
+    p.add_argument("--degrees", type=int, nargs="+", help="CP degrees D (default 2 4 8; --smoke 2 4)")
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    p.add_argument("--json", type=Path, help="write the meta data and every rank's figures here")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script (CPU: TRITON_INTERPRET=1)")
+    args = p.parse_args()
+    small = args.smoke
+    T = args.T or (256 if small else 32768)
+    H, K, V = args.H or (2 if small else 16), args.K or (32 if small else 128), args.V or (32 if small else 128)
+    degrees = args.degrees or ([2, 4] if small else [2, 4, 8])
+    if min(degrees) < 2 or max(degrees) > T:
+        p.error(f"--degrees must lie in [2, T={T}] (D=1 has no pre-process), got {degrees}")
+
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("no CUDA device: run on the CPU under the Triton interpreter, TRITON_INTERPRET=1")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M"),
+                command="python " + shlex.join(sys.argv), dtype=str(dtype).replace("torch.", ""),
+                T=T, H=H, K=K, V=V, degrees=degrees,
+                timer="triton.testing.do_bench median" if cuda else f"wall clock, median of {CPU_REPS}",
+                note="communication not timed (one GPU has none); the emulated all-gather (device copies of "
+                     "the D fp32 messages) is inside the pre-process figures")
+    print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
+    print(f"command: {meta['command']}")
+    print(f"{meta['dtype']}, B=1, H={H}, K={K}, V={V}, T={T} as one sequence over D ranks; timer: {meta['timer']}",
+          flush=True)
+
+    timer = make_timer()
+    rows = []
+    for name in args.ops:
+        rows += bench_op(name, T, H, K, V, degrees, device, dtype, timer)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print()
+    print(f"CP pre-process per rank; {meta['note']}.")
+    print("pre / local f+b = (pre fwd + pre bwd) / local fwd+bwd; CP excess = CP fwd+bwd / local fwd+bwd - 1; "
+          "max rel err: the rank's output and gradients against the single-rank run of the whole sequence.")
+    print()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
