@@ -6,6 +6,7 @@ once before timing so Triton compilation and FLA's autotuning stay out of the fi
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs).
 
     python scripts/bench_ops.py --out bench_out        # writes results.json, results.md, throughput.png
+    python scripts/bench_ops.py --render a/results.json b.log --out merged   # tables of several runs
 """
 from __future__ import annotations
 
@@ -162,9 +163,18 @@ def main() -> None:
     p.add_argument("--groups", nargs="+", default=list(CASES))
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the varlen case; 0 skips it")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--render", nargs="+", metavar="FILE", default=None,
+                   help="measure nothing: merge the rows of earlier runs (results.json, or the JSON lines "
+                        "they print) and write results.md and throughput.png")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        rows, meta = _load_rows(args.render)
+        (out / "results.md").write_text(_markdown(rows, meta))
+        _plot(rows, out / "throughput.png")
+        print((out / "results.md").read_text())
+        return
     bw = _measure_copy_bandwidth()
     rows = []
     for group in args.groups:
@@ -188,6 +198,30 @@ def main() -> None:
     (out / "results.md").write_text(_markdown(rows, meta))
     _plot(rows, out / "throughput.png")
     print((out / "results.md").read_text())
+
+
+def _load_rows(paths: list[str]) -> tuple[list[dict], dict]:
+    """Rows of several runs (a results.json, or a log of the JSON lines a run prints, e.g. one cut
+    short by a time limit), in order, and the meta of the first results.json."""
+    rows, meta = [], None
+    for path in paths:
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict) and "rows" in data:
+            rows += data["rows"]
+            meta = meta or data["meta"]
+            continue
+        for line in text.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                if "lib" in row:
+                    rows.append(row)
+    if meta is None:
+        raise ValueError(f"--render needs at least one results.json (for the machine and bandwidth): {paths}")
+    return rows, meta
 
 
 def _markdown(rows, meta) -> str:
