@@ -221,7 +221,7 @@ def gla_incoming_state(k, v, g, gk, initial_state, context: FLACPContext):
         start, _ = _last_fragment(context)
         h0 = _user_state_of_last(initial_state, context, False)
         _, S_ext = chunk_fwd_h(k[:, start:], v[:, start:], gk[:, start:], h0=h0, output_final_state=True,
-                               chunk_size=CHUNK_SIZE)
+                               chunk_size=CHUNK_SIZE, store_chunk_states=False)
         S_ext, M = S_ext[0], g[0, start:].float().sum(0).exp()
     else:
         S_ext, M = k.new_zeros(H, K, V, dtype=torch.float32), k.new_zeros(H, K, dtype=torch.float32)
@@ -242,7 +242,7 @@ def gla_final_state_grad(q, gk, do, scale: float, dht_global, record: BoundaryEx
         end, ends_here = _first_fragment(context)
         dht_first = dht[:1] if (ends_here and dht is not None) else None
         _, dS_ext = chunk_bwd_dh(q[:, :end], gk[:, :end], do[:, :end], scale, dht=dht_first, need_dh0=True,
-                                 chunk_size=CHUNK_SIZE)
+                                 chunk_size=CHUNK_SIZE, store_chunk_grads=False)
         dS_ext = dS_ext[0]
     else:
         dS_ext = q.new_zeros(H, K, V, dtype=torch.float32)
@@ -266,7 +266,8 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
         eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
         u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
         _, _, ht = chunk_delta_rule_fwd_h(kg[:, start:], w[:, start:], u_aug, gk[:, start:],
-                                          torch.cat([h0, eye], -1).contiguous(), True, chunk_size=CHUNK_SIZE)
+                                          torch.cat([h0, eye], -1).contiguous(), True, chunk_size=CHUNK_SIZE,
+                                          store_chunk_states=False)
         S_ext, M = ht[0, :, :, :V], ht[0, :, :, V:]
     else:
         S_ext, M = kg.new_zeros(HV, K, V, dtype=torch.float32), kg.new_zeros(HV, K, K, dtype=torch.float32)
@@ -287,7 +288,8 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
         if ends_here and dht is not None:
             dht_first = dht[:1].transpose(-1, -2).contiguous() if state_v_first else dht[:1]
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
-                                                dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE)
+                                                dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE,
+                                                store_chunk_grads=False)
         dS_ext = dS_ext[0]
     else:
         dS_ext = kg.new_zeros(HV, K, V, dtype=torch.float32)

@@ -71,7 +71,7 @@ def delta_rule_fwd_h_kernel(
     T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV)."""
@@ -94,7 +94,8 @@ def delta_rule_fwd_h_kernel(
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
-        tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
+        if STORE_CHUNKS:
+            tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * HV + i_h
@@ -103,7 +104,8 @@ def delta_rule_fwd_h_kernel(
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_u = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
         b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
-        tl.store(v_new + rows[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        if STORE_CHUNKS:
+            tl.store(v_new + rows[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
         b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
@@ -121,7 +123,7 @@ def delta_rule_bwd_dhu_kernel(
     scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Writes dh (gradient of the state leaving each chunk) and dv2; grid like the forward."""
@@ -147,7 +149,8 @@ def delta_rule_bwd_dhu_kernel(
     n_steps = tl.cdiv(seq_len, BT)
     for i_rev in range(0, n_steps):
         i_t = n_steps - 1 - i_rev
-        tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
+        if STORE_CHUNKS:
+            tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * HV + i_h
@@ -156,7 +159,8 @@ def delta_rule_bwd_dhu_kernel(
         b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_dv = tl.load(dv + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
         b_dv2 = b_dv + tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PREC)
-        tl.store(dv2 + rows[:, None] * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
+        if STORE_CHUNKS:
+            tl.store(dv2 + rows[:, None] * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
         b_qg = tl.load(qg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(b_qg.dtype)
@@ -201,7 +205,8 @@ def chunk_delta_rule_fwd_h(
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
     state_v_first: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    store_chunk_states: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
     Args:
@@ -212,11 +217,13 @@ def chunk_delta_rule_fwd_h(
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1); else N = B.
         chunk_indices, chunk_offsets: optional `prepare_chunk_indices` / `prepare_chunk_offsets`
             of cu_seqlens, to skip host work.
+        store_chunk_states: False when only the final states are wanted (the CP pre-process):
+            h and v_new are then neither allocated nor written, and None is returned for them.
 
     Returns:
         h: fp32 `[B, NT, HV, K, V]` (always K-first), h[:, c] the state entering chunk c (NT:
-            chunks per row, or all chunks of the packed batch);
-        v_new: `[B, T, HV, V]` in u's dtype, `u - w h`;
+            chunks per row, or all chunks of the packed batch), or None;
+        v_new: `[B, T, HV, V]` in u's dtype, `u - w h`, or None;
         final_state: fp32 `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) or None.
     """
     B, T, HV, K = kg.shape
@@ -230,8 +237,8 @@ def chunk_delta_rule_fwd_h(
                      shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=kg.device)
         initial_state = initial_state.contiguous()
     kg, w, u, gk = kg.contiguous(), w.to(kg.dtype).contiguous(), u.contiguous(), gk.contiguous()
-    h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32)
-    v_new = torch.empty_like(u)
+    h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_states else None
+    v_new = torch.empty_like(u) if store_chunk_states else None
     final_state = None
     if output_final_state:
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
@@ -240,7 +247,8 @@ def chunk_delta_rule_fwd_h(
         delta_rule_fwd_h_kernel[(triton.cdiv(V, BV), N * HV)](
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STATE_V_FIRST=state_v_first,
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
+            STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype),
             **launch_options("delta_rule_fwd_h"),
         )
@@ -262,7 +270,8 @@ def chunk_delta_rule_bwd_dhu(
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
     state_v_first: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    store_chunk_grads: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Reverse recurrence of the gated delta rule, for outputs `o = scale * qg h + (intra)`.
 
     Args:
@@ -276,6 +285,8 @@ def chunk_delta_rule_bwd_dhu(
             (from all later outputs and dht), K-first;
         dh0: fp32 gradient of the initial states (layout as the states) or None;
         dv2: fp32 `[B, T, HV, V]`, the total gradient of v_new (`dv + kg dh`).
+        With `store_chunk_grads=False` (only dh0 wanted: the CP pre-process) dh and dv2 are
+        neither allocated nor written, and None is returned for them.
     """
     B, T, HV, K = qg.shape
     V = do.shape[-1]
@@ -289,8 +300,8 @@ def chunk_delta_rule_bwd_dhu(
         dht = dht.contiguous()
     qg, kg, w = qg.contiguous(), kg.to(qg.dtype).contiguous(), w.to(qg.dtype).contiguous()
     gk, do, dv = gk.float().contiguous(), do.contiguous(), dv.contiguous()
-    dh = qg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32)
-    dv2 = torch.empty_like(dv, dtype=torch.float32)
+    dh = qg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_grads else None
+    dv2 = torch.empty_like(dv, dtype=torch.float32) if store_chunk_grads else None
     dh0 = None
     if need_dh0:
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
@@ -299,7 +310,8 @@ def chunk_delta_rule_bwd_dhu(
         delta_rule_bwd_dhu_kernel[(triton.cdiv(V, BV), N * HV)](
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STATE_V_FIRST=state_v_first,
+            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
+            STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype),
             **launch_options("delta_rule_bwd_dhu"),
         )

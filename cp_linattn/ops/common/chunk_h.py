@@ -53,7 +53,8 @@ def chunk_state_forward_kernel(
     T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Writes h[chunk] = state entering each chunk; grid (cdiv(V, BV), cdiv(K, BK), N * H)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -71,7 +72,8 @@ def chunk_state_forward_kernel(
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
-        tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
+        if STORE_CHUNKS:
+            tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * H + i_h
@@ -96,7 +98,8 @@ def chunk_state_backward_kernel(
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Writes dh[chunk] = gradient of the state leaving each chunk; grid like the forward."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -117,7 +120,8 @@ def chunk_state_backward_kernel(
     n_steps = tl.cdiv(seq_len, BT)
     for i_rev in range(0, n_steps):
         i_t = n_steps - 1 - i_rev
-        tl.store(dh + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_dh, mask=m_kv)
+        if STORE_CHUNKS:
+            tl.store(dh + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_dh, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * H + i_h
@@ -157,7 +161,8 @@ def chunk_fwd_h(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    store_chunk_states: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk, and the final states.
 
     Args:
@@ -168,10 +173,12 @@ def chunk_fwd_h(
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1); else N = B.
         chunk_indices, chunk_offsets: optional precomputed `prepare_chunk_indices` /
             `prepare_chunk_offsets(cu_seqlens, chunk_size)`, to skip the host work.
+        store_chunk_states: False when only the final states are wanted (the CP pre-process):
+            h is then neither allocated nor written, and None is returned for it.
 
     Returns:
         h: fp32 `[B, NT, H, K, V]`, h[:, c] the state before chunk c (NT = chunks per row, or
-            the total number of chunks of the packed batch with `cu_seqlens`);
+            the total number of chunks of the packed batch with `cu_seqlens`), or None;
         ht: fp32 `[N, H, K, V]` state after each sequence's last token, or None.
     """
     B, T, H, K = k.shape
@@ -183,7 +190,7 @@ def chunk_fwd_h(
         check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)
     k, v, gk = k.contiguous(), v.contiguous(), gk.contiguous()
     h0 = h0.contiguous() if h0 is not None else None
-    h = k.new_empty(B, NT, H, K, V, dtype=torch.float32)
+    h = k.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_states else None
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     BK, BV = tile("chunk_state_forward", "BK", K), tile("chunk_state_forward", "BV", V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
@@ -191,7 +198,8 @@ def chunk_fwd_h(
         chunk_state_forward_kernel[grid](
             k, v, gk, h, h0, ht, cu_seqlens, chunk_offsets, T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_H0=h0 is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+            HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
+            IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(v.dtype), **launch_options("chunk_state_forward"),
         )
     return h, ht
@@ -208,7 +216,8 @@ def chunk_bwd_dh(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    store_chunk_grads: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunk states, for outputs `o_t = scale * S_t^T q_t`.
 
     Args:
@@ -216,6 +225,8 @@ def chunk_bwd_dh(
         gk: `[B, T, H, K]` fp32 chunk-local cumsum of the log gate (as in `chunk_fwd_h`).
         dht: optional gradient of the final states `[N, H, K, V]` (read as fp32).
         cu_seqlens, chunk_indices, chunk_offsets: as in `chunk_fwd_h`.
+        store_chunk_grads: False when only dh0 is wanted (the CP pre-process): dh is then
+            neither allocated nor written, and None is returned for it.
 
     Returns:
         dh: fp32 `[B, NT, H, K, V]`; dh[:, c] is the gradient w.r.t. the state at the END of
@@ -235,7 +246,7 @@ def chunk_bwd_dh(
     q, gk = q.contiguous(), gk.contiguous()
     do = do.to(q.dtype).contiguous()
     dht = dht.contiguous() if dht is not None else None
-    dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32)
+    dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_grads else None
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BK, BV = tile("chunk_state_backward", "BK", K), tile("chunk_state_backward", "BV", V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
@@ -243,7 +254,8 @@ def chunk_bwd_dh(
         chunk_state_backward_kernel[grid](
             q, gk, do, dh, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_DHT=dht is not None, STORE_DH0=need_dh0, IS_VARLEN=cu_seqlens is not None,
+            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
+            IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(q.dtype), **launch_options("chunk_state_backward"),
         )
     return dh, dh0
