@@ -56,7 +56,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn = q, k
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, scale, do, dht, h0, saved, use_gate, A_log, dt_bias, lower_bound,
-            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record,
+            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record, need_dh0=h0_dtype is not None,
         )
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht) if h0_dtype else None

@@ -294,12 +294,15 @@ def chunk_kda_bwd(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     cp_record: BoundaryExchange | None = None,
+    need_dh0: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of chunked KDA (q, k already normalised if the op normalises them).
 
     Under CP (`cp_record` from the forward), initial_state is the LOCAL `[num_seqs, ...]`
     initial states the forward ran with, dht the gradient of the `[N_global, ...]` final
-    state, and dh0 comes back local (the op maps it to the user's tensor).
+    state, and dh0 comes back local (the op maps it to the user's tensor). need_dh0: compute dh0
+    (default: when there is an initial state; under CP only the user's own initial state wants it,
+    not the one handed over by earlier ranks).
 
     saved: at least Aqk and Akk from `chunk_kda_fwd`; with gk, w, u, qg, kg, h, v_new too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
@@ -336,8 +339,10 @@ def chunk_kda_bwd(
         )
     if cp_record is not None:
         dht = kda_final_state_grad(qg, kg, w, gk, do, dv_o, scale, dht, cp_record, state_v_first)
+    if need_dh0 is None:
+        need_dh0 = initial_state is not None
     dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(
-        qg, kg, w, gk, do, dv_o, scale, dht, initial_state is not None, cu_seqlens, chunk_indices,
+        qg, kg, w, gk, do, dv_o, scale, dht, need_dh0, cu_seqlens, chunk_indices,
         chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     dq = q.new_empty(B, T, HV, K, dtype=torch.float32)
