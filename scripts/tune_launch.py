@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 import triton
@@ -31,7 +32,8 @@ OP_KERNELS = {
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (32, 64), "BV": (16, 32, 64, 128)}
 
 
-def time_fwd_bwd(op: str, T: int) -> float:
+def warm_fwd_bwd_step(op: str, T: int) -> Callable[[], None]:
+    """One forward+backward of our `op`, already run once (compiled, warm)."""
     fn, leaves = make_op(op, "ours", T, None)
     out = fn()
     do = torch.randn_like(out)
@@ -42,22 +44,21 @@ def time_fwd_bwd(op: str, T: int) -> float:
             x.grad = None
         fn().backward(do)
 
-    return triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
+    return step
+
+
+def time_fwd_bwd(op: str, T: int) -> float:
+    return triton.testing.do_bench(warm_fwd_bwd_step(op, T), warmup=5, rep=40, return_mode="median")
 
 
 def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
     """(kernel, CUDA ms per fwd+bwd, calls per fwd+bwd) sorted by time."""
-    fn, leaves = make_op(op, "ours", T, None)
-    out = fn()
-    do = torch.randn_like(out)
-    out.backward(do)
+    step = warm_fwd_bwd_step(op, T)
     torch.cuda.synchronize()
     reps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            for x in leaves:
-                x.grad = None
-            fn().backward(do)
+            step()
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / 1e3 / reps, e.count // reps) for e in prof.key_averages()
             if e.device_time_total > 0]

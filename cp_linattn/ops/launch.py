@@ -43,3 +43,8 @@ def launch_options(kernel: str) -> dict[str, int]:
 def tile(kernel: str, key: str, dim: int) -> int:
     """Tile size along a head dim of `dim` elements: a power of two in [16, cap]."""
     return max(16, min(LAUNCH[kernel][key], triton.next_power_of_2(dim)))
+
+
+def tiles(kernel: str, K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of a kernel tiling both head dims."""
+    return tile(kernel, "BK", K), tile(kernel, "BV", V)

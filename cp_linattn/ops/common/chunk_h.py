@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
 
 
@@ -192,7 +192,7 @@ def chunk_fwd_h(
     h0 = h0.contiguous() if h0 is not None else None
     h = k.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_states else None
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    BK, BV = tile("chunk_state_forward", "BK", K), tile("chunk_state_forward", "BV", V)
+    BK, BV = tiles("chunk_state_forward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_forward_kernel[grid](
@@ -248,7 +248,7 @@ def chunk_bwd_dh(
     dht = dht.contiguous() if dht is not None else None
     dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_grads else None
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    BK, BV = tile("chunk_state_backward", "BK", K), tile("chunk_state_backward", "BV", V)
+    BK, BV = tiles("chunk_state_backward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_backward_kernel[grid](

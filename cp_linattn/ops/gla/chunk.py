@@ -27,7 +27,7 @@ from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precisi
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
 
 CHUNK_SIZE = 64
@@ -262,7 +262,7 @@ def chunk_gla_bwd_dqkg_kernel(
 def _launch_shape(kernel: str, q: torch.Tensor, v: torch.Tensor):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return B, T, H, K, V, tile(kernel, "BK", K), tile(kernel, "BV", V)
+    return B, T, H, K, V, *tiles(kernel, K, V)
 
 
 def chunk_gla_fwd_o(

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
 
 CHUNK = 16
@@ -229,9 +229,8 @@ def fused_chunk_gla_bwd_kernel(
     tl.debug_barrier()
 
     # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
-    n_steps = NT
-    for i_rev in range(0, n_steps):
-        i_t = n_steps - 1 - i_rev
+    for i_rev in range(0, NT):
+        i_t = NT - 1 - i_rev
         m_t = i_t * BT + o_t < T
         p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
         p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
@@ -279,10 +278,8 @@ def _launch_config(kernel: str, K: int, V: int, dtype: torch.dtype) -> dict:
 
     fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
     """
-    return dict(
-        BT=CHUNK, BK=tile(kernel, "BK", K), BV=tile(kernel, "BV", V),
-        DOT_PRECISION=dot_precision(dtype), **launch_options(kernel),
-    )
+    BK, BV = tiles(kernel, K, V)
+    return dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype), **launch_options(kernel))
 
 
 def _sum_blocks(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
