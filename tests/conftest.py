@@ -26,3 +26,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not _is_gpu_test(item):
             item.add_marker(skip)
+
+
+def diagonal_block_spans(g: torch.Tensor, chunk: int = 64, block: int = 16) -> torch.Tensor:
+    """Per chunk (of one row, all heads), the largest |b - b_mid| over its 16-token blocks,
+    b the chunk-local gate cumsum and mid each block's middle row: what decides between the
+    dot and the column path of the diagonal blocks (cp_linattn/ops/common/intra.py)."""
+    T = g.shape[1]
+    spans = []
+    for c0 in range(0, T, chunk):
+        b = g[0, c0:c0 + chunk].float().cumsum(0)
+        worst = 0.0
+        for r in range(0, b.shape[0], block):
+            mid = min(r + block // 2, b.shape[0] - 1)
+            worst = max(worst, (b[r:r + block] - b[mid]).abs().max().item())
+        spans.append(worst)
+    return torch.tensor(spans)

@@ -13,7 +13,7 @@ from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.gla.chunk import chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from tests.conftest import requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dh0")
 
@@ -37,9 +37,16 @@ def make_inputs(B, T, H, K, V, N, dtype, device, gate="logsigmoid", with_h0=True
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     if gate == "logsigmoid":
         g = F.logsigmoid(randn(B, T, H, K))
-    else:
+    elif gate == "strong":
         # Log decay of about -5 per token: exp(-b) over a chunk is far beyond fp32 range.
         g = -4.0 - torch.rand(B, T, H, K, generator=gen)
+    elif gate == "mixed":
+        # About -8.5 per token in the second chunk only (beyond the diagonal blocks' dot path,
+        # which "strong" still fits): chunks of both intra-chunk paths in one call.
+        g = F.logsigmoid(randn(B, T, H, K))
+        g[:, 64:128] = -8.0 - torch.rand(B, min(T, 128) - 64, H, K, generator=gen)
+    else:
+        raise AssertionError(gate)
     h0 = randn(N, H, K, V) if with_h0 else None
     to = dict(device=device)
     q, k, v = (x.to(dtype=dtype, **to) for x in (q, k, v))
@@ -104,6 +111,16 @@ def test_chunk_gla_matches_reference(B, T, H, K, V, cu, with_h0, with_dht, outpu
 
 def test_strong_decay_is_finite_and_exact():
     compare_with_reference(1, 200, 1, 32, 32, cu=[0, 3, 133, 200], gate="strong")
+
+
+def test_both_diagonal_paths_in_one_call():
+    """Chunks within and beyond the dot path's span limit in one sequence, every gradient."""
+    from cp_linattn.ops.common.intra import SAFE_SPAN
+    _, _, _, g, _ = make_inputs(1, 200, 1, 32, 32, 1, torch.float32, "cpu", gate="mixed")
+    spans = diagonal_block_spans(g)
+    assert (spans <= SAFE_SPAN).any() and (spans > SAFE_SPAN).any(), spans
+    compare_with_reference(1, 200, 1, 32, 32, gate="mixed")
+    compare_with_reference(1, 200, 1, 32, 32, cu=[0, 100, 101, 200], gate="mixed")
 
 
 def test_fp16_inputs():
@@ -224,7 +241,8 @@ def test_gpu_fp32(T, cu):
 
 @requires_cuda
 @pytest.mark.parametrize("T, cu, gate", [(1000, None, "logsigmoid"), (2047, [0, 1, 500, 1300, 2047], "logsigmoid"),
-                                         (1000, None, "strong"), (8192, None, "logsigmoid")])
+                                         (1000, None, "strong"), (1000, None, "mixed"),
+                                         (8192, None, "logsigmoid")])
 def test_gpu_bf16_against_fp32_reference(T, cu, gate):
     """bf16 inputs; the reference runs in fp32 on the same (rounded) inputs."""
     B, H, K, V = 1, 2, 128, 128

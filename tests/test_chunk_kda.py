@@ -13,7 +13,7 @@ from cp_linattn.ops.kda.chunk import chunk_kda
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd_prepare
 from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
 from cp_linattn.ops.utils import prepare_chunk_indices
-from tests.conftest import requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda
 
 REL_TOL = 1e-4
 
@@ -147,6 +147,18 @@ def test_unbounded_strong_decay_is_finite():
     inp = make_inputs(T=130, gate="log", gate_scale=60.0)
     inp["g"][..., :4] = -1e4
     assert_close(run_both(inp))
+
+
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_both_diagonal_paths_in_one_call(disable_recompute):
+    """Sub-chunks within and beyond the diagonal dot path's span limit in one call."""
+    from cp_linattn.ops.common.intra import SAFE_SPAN
+    inp = make_inputs(T=200, HV=2, N=2, gate="log")
+    inp["g"][:, 64:128] *= 20.0
+    spans = diagonal_block_spans(inp["g"][..., 0, :])
+    assert (spans <= SAFE_SPAN).any() and (spans > SAFE_SPAN).any(), spans
+    cu = torch.tensor([0, 90, 200], dtype=torch.long)
+    assert_close(run_both(inp, cu_seqlens=cu, disable_recompute=disable_recompute))
 
 
 def test_varlen_gva_gate_in_kernel_states_l2norm():

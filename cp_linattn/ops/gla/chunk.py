@@ -8,8 +8,10 @@ Per chunk of BT = 64 tokens, with b the chunk-local cumsum of g and h the state 
 A is never stored: the output and dv kernels rebuild it in registers, in 16-row blocks.
 For the block of rows [r, r + 16) and the columns before r the gate difference is split at
 b_r: `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
-tensor-core dot does the work. Inside the diagonal 16 x 16 blocks exp(b_t - b_s) is taken
-pair by pair (one key column per step), which is exact.
+tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each
+block's middle row when the gates allow it (cp_linattn/ops/common/intra.py checks the span at
+run time); otherwise exp(b_t - b_s) is taken pair by pair (one key column per step), which is
+exact for any decay.
 
 Forward: gate cumsum, `chunk_fwd_h` (states), output kernel. Backward: states recomputed,
 `chunk_bwd_dh`, a dv kernel and a dq/dk/dg kernel. The log-gate gradient uses
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
 from cp_linattn.ops.launch import launch_options, tiles
@@ -53,9 +56,19 @@ def chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT: tl.constexpr, IS_
 
 
 @triton.jit
+def offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H: tl.constexpr, K: tl.constexpr,
+                             BC: tl.constexpr):
+    """b - b_m per entry of a [BT, BK] gate tile, m the middle row of the row's BC-block
+    (0 on padding): the split point of the diagonal blocks' dot path."""
+    o_mid = tl.minimum((o_i // BC) * BC + BC // 2, chunk_len - 1)
+    b_mid = tl.load(gk + (chunk_row0 + o_mid[:, None] * H) * K + o_k[None, :], mask=m_tk, other=0)
+    return tl.where(m_tk, b_g - b_mid, 0)
+
+
+@triton.jit
 def intra_chunk_scores(
     k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len, H: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Causal `sum_k q_tk k_sk exp(b_tk - b_sk)` over one key-channel block, [BT, BT] fp32.
 
@@ -75,16 +88,23 @@ def intra_chunk_scores(
         b_q_ref = b_q * tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
         b_k_ref = b_k * tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
         b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PREC)
-    block_start = (o_i // BC) * BC
-    for j in range(BC):
-        o_s = block_start + j
-        m_s = (o_s <= o_i) & m_t
-        m_sk = m_s[:, None] & m_k[None, :]
-        s_offs = (chunk_row0 + o_s[:, None] * H) * K + o_k[None, :]
-        b_ks = tl.load(k + s_offs, mask=m_sk, other=0).to(tl.float32)
-        b_gs = tl.load(gk + s_offs, mask=m_sk, other=0)
-        b_pair = tl.sum(tl.where(m_sk, b_q * b_ks * tl.exp(b_g - b_gs), 0), axis=1)
-        b_a += tl.where(o_i[None, :] == o_s[:, None], b_pair[:, None], 0)
+    b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
+    if within_span(b_rel, SPAN_LIMIT):
+        b_diag = tl.dot((b_q * tl.exp(b_rel)).to(dtype), tl.trans((b_k * tl.exp(-b_rel)).to(dtype)),
+                        input_precision=DOT_PREC)
+        in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC) & (o_i[:, None] >= o_i[None, :])
+        b_a += tl.where(in_diagonal, b_diag, 0)
+    else:
+        block_start = (o_i // BC) * BC
+        for j in range(BC):
+            o_s = block_start + j
+            m_s = (o_s <= o_i) & m_t
+            m_sk = m_s[:, None] & m_k[None, :]
+            s_offs = (chunk_row0 + o_s[:, None] * H) * K + o_k[None, :]
+            b_ks = tl.load(k + s_offs, mask=m_sk, other=0).to(tl.float32)
+            b_gs = tl.load(gk + s_offs, mask=m_sk, other=0)
+            b_pair = tl.sum(tl.where(m_sk, b_q * b_ks * tl.exp(b_g - b_gs), 0), axis=1)
+            b_a += tl.where(o_i[None, :] == o_s[:, None], b_pair[:, None], 0)
     return b_a
 
 
@@ -93,7 +113,7 @@ def chunk_gla_fwd_o_kernel(
     q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """o = scale * ((q * exp b) h + A v) for one [BT, BV] tile; grid (cdiv(V, BV), NT, B * H)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -118,7 +138,7 @@ def chunk_gla_fwd_o_kernel(
         b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
         b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
-                                  H, K, BT, BC, DOT_PREC)
+                                  H, K, BT, BC, DOT_PREC, SPAN_LIMIT)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_q_start = tl.where(m_tk, b_q * tl.exp(b_g), 0)
         b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PREC)
@@ -134,7 +154,7 @@ def chunk_gla_bwd_dv_kernel(
     q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """dv = scale * A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile; grid like the output."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -160,7 +180,7 @@ def chunk_gla_bwd_dv_kernel(
         b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
         b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
-                                  H, K, BT, BC, DOT_PREC)
+                                  H, K, BT, BC, DOT_PREC, SPAN_LIMIT)
         b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
         b_g_last = tl.load(gk + last_row * K + o_k, mask=m_k, other=0)
         b_k_end = tl.where(m_tk, b_k * tl.exp(b_g_last[None, :] - b_g), 0)
@@ -178,7 +198,7 @@ def chunk_gla_bwd_dqkg_kernel(
     q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -235,21 +255,30 @@ def chunk_gla_bwd_dqkg_kernel(
         b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
         b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
         b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
-    block_start = (o_i // BC) * BC
-    for j in range(BC):
-        o_p = block_start + j
-        # Row t pairs with key o_p[t] (dq); key s pairs with query o_p[s] (dk).
-        m_key = (o_p <= o_i) & m_t
-        m_query = (o_p >= o_i) & (o_p < chunk_len)
-        p_offs = (chunk_row0 + o_p[:, None] * H) * K + o_k[None, :]
-        b_da_key = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_da, 0), axis=1)
-        b_da_query = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_da, 0), axis=0)
-        m_pk = (m_key | m_query)[:, None] & m_k[None, :]
-        b_kp = tl.load(k + p_offs, mask=m_pk, other=0).to(tl.float32)
-        b_qp = tl.load(q + p_offs, mask=m_pk, other=0).to(tl.float32)
-        b_gp = tl.load(gk + p_offs, mask=m_pk, other=0)
-        b_dq += b_da_key[:, None] * b_kp * tl.exp(tl.where(m_key[:, None], b_g - b_gp, float("-inf")))
-        b_dk += b_da_query[:, None] * b_qp * tl.exp(tl.where(m_query[:, None], b_gp - b_g, float("-inf")))
+    b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
+    if within_span(b_rel, SPAN_LIMIT):
+        b_to_mid = tl.exp(b_rel)
+        b_from_mid = tl.exp(-b_rel)
+        in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC)
+        b_da_diag = tl.where(in_diagonal, b_da, 0).to(dtype)
+        b_dq += b_to_mid * tl.dot(b_da_diag, (b_k * b_from_mid).to(dtype), input_precision=DOT_PREC)
+        b_dk += b_from_mid * tl.dot(tl.trans(b_da_diag), (b_q * b_to_mid).to(dtype), input_precision=DOT_PREC)
+    else:
+        block_start = (o_i // BC) * BC
+        for j in range(BC):
+            o_p = block_start + j
+            # Row t pairs with key o_p[t] (dq); key s pairs with query o_p[s] (dk).
+            m_key = (o_p <= o_i) & m_t
+            m_query = (o_p >= o_i) & (o_p < chunk_len)
+            p_offs = (chunk_row0 + o_p[:, None] * H) * K + o_k[None, :]
+            b_da_key = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_da, 0), axis=1)
+            b_da_query = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_da, 0), axis=0)
+            m_pk = (m_key | m_query)[:, None] & m_k[None, :]
+            b_kp = tl.load(k + p_offs, mask=m_pk, other=0).to(tl.float32)
+            b_qp = tl.load(q + p_offs, mask=m_pk, other=0).to(tl.float32)
+            b_gp = tl.load(gk + p_offs, mask=m_pk, other=0)
+            b_dq += b_da_key[:, None] * b_kp * tl.exp(tl.where(m_key[:, None], b_g - b_gp, float("-inf")))
+            b_dk += b_da_query[:, None] * b_qp * tl.exp(tl.where(m_query[:, None], b_gp - b_g, float("-inf")))
 
     b_dg_token = tl.where(m_tk, b_q * b_dq - b_k * b_dk, 0)
     b_dg = tl.sum(b_dg_token, axis=0)[None, :] - tl.cumsum(b_dg_token, axis=0) + b_dg_token
@@ -278,7 +307,8 @@ def chunk_gla_fwd_o(
         chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
             q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_fwd_o"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
+            **launch_options("gla_fwd_o"),
         )
     return o
 
@@ -295,7 +325,8 @@ def chunk_gla_bwd_dv(
         chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
             q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_bwd_dv"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
+            **launch_options("gla_bwd_dv"),
         )
     return dv
 
@@ -314,7 +345,8 @@ def chunk_gla_bwd_dqkg(
         chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
             q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch_options("gla_bwd_dqkg"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
+            **launch_options("gla_bwd_dqkg"),
         )
     return dq, dk, dg
 

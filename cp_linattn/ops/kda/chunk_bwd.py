@@ -29,6 +29,7 @@ from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, head_block_size, kda_intra_wy_fwd
@@ -165,7 +166,7 @@ def kda_bwd_intra_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
     of one 16-row sub-chunk; grid (NT * BT // BC, B * HV).
@@ -195,6 +196,7 @@ def kda_bwd_intra_kernel(
     # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
     i_first = (bos + t0 + tl.minimum(i_i * BC, chunk_len - 1)) * HV + i_hv
     i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
+    i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
 
     m_row_strip = m_i[:, None] & (o_c < i_i * BC)[None, :]
     p_row_strip = rows_i[:, None] * BT + o_c[None, :]
@@ -207,6 +209,11 @@ def kda_bwd_intra_kernel(
     b_d_col = tl.load(dL + p_col_strip, mask=m_col_strip, other=0)
     b_beta_c = tl.load(beta + rows, mask=m_c, other=0).to(tl.float32)
     b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
+    # the diagonal blocks of dS (lower, diagonal included) and dL (strictly lower), for the dot path
+    p_diag = rows_i[:, None] * BT + o_i[None, :]
+    m_lower = m_i[:, None] & (o_i[None, :] <= o_i[:, None])
+    b_p_diag = tl.load(dS + p_diag, mask=m_lower, other=0).to(dtype)
+    b_d_diag = tl.load(dL + p_diag, mask=m_lower & (o_i[None, :] < o_i[:, None]), other=0).to(dtype)
 
     b_dbeta = tl.zeros([BC], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -242,28 +249,40 @@ def kda_bwd_intra_kernel(
             b_dks += b_ej * tl.dot(tl.trans(b_p_col.to(dtype)), (b_qc * b_ec).to(dtype), input_precision=DOT_PREC)
             b_cc += b_ej * tl.dot(tl.trans(b_d_col.to(dtype)), (b_kc * b_ec * b_beta_c[:, None]).to(dtype),
                                   input_precision=DOT_PREC)
-        for j in range(BC):
-            c = i_i * BC + j
-            m_j = m_k & (c < chunk_len)
-            p_j = ((bos + t0 + c) * H + i_h) * K + o_k
-            b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
-            b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
-            row_j = (bos + t0 + c) * HV + i_hv
-            b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
-            b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
-            # token c as the column: rows i >= c of this sub-chunk
-            b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
-            b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
-            b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
-            b_dq += b_p[:, None] * b_kj[None, :] * b_e
-            b_r += b_d[:, None] * b_kj[None, :] * b_e
-            # token c as the row: columns i <= c of this sub-chunk
-            m_cols = m_i & (o_i <= c) & (c < chunk_len)
-            b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
-            b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
-            b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
-            b_dks += b_p[:, None] * b_qj[None, :] * b_e
-            b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
+        b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
+        b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
+        if within_span(b_rel, SPAN_LIMIT):
+            b_em = tl.exp(b_rel)
+            b_emi = tl.exp(-b_rel)
+            b_kt = (b_ki * b_emi).to(dtype)
+            b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=DOT_PREC)
+            b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=DOT_PREC)
+            b_dks += b_emi * tl.dot(tl.trans(b_p_diag), (b_qi * b_em).to(dtype), input_precision=DOT_PREC)
+            b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
+                                   input_precision=DOT_PREC)
+        else:
+            for j in range(BC):
+                c = i_i * BC + j
+                m_j = m_k & (c < chunk_len)
+                p_j = ((bos + t0 + c) * H + i_h) * K + o_k
+                b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
+                b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                row_j = (bos + t0 + c) * HV + i_hv
+                b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
+                b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
+                # token c as the column: rows i >= c of this sub-chunk
+                b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
+                b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
+                b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
+                b_dq += b_p[:, None] * b_kj[None, :] * b_e
+                b_r += b_d[:, None] * b_kj[None, :] * b_e
+                # token c as the row: columns i <= c of this sub-chunk
+                m_cols = m_i & (o_i <= c) & (c < chunk_len)
+                b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
+                b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
+                b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
+                b_dks += b_p[:, None] * b_qj[None, :] * b_e
+                b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
         b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
         tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
         tl.store(dq + p_gi, tl.load(dq + p_gi, mask=m_ik, other=0) + b_dq, mask=m_ik)
@@ -361,6 +380,7 @@ def chunk_kda_bwd(
         kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
             q, k, gk, beta, dS, dL, dq, dk, dgk, dbeta, cu_seqlens, chunk_indices, T,
             H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
+            SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_bwd_intra"),
         )
     if HV > H:

@@ -14,10 +14,11 @@ so that with h the state entering the chunk, the chunk's new values are `v_new =
 Overflow: exp(gk_i - gk_j) <= 1 for i >= j, but exp(gk_i) exp(-gk_j) is not usable with
 strong decay. Rows come in sub-chunks of BC = 16; for the columns before sub-chunk I the
 difference is split at the gate of I's first row r: `exp(gk_i - gk_r) * exp(gk_r - gk_j)`,
-both factors <= 1, so a tensor-core dot handles the off-diagonal blocks; inside the
-diagonal 16 x 16 blocks each pair's exponent is formed exactly (one key column per step).
-This exact path is used for every gate, also with `safe_gate` (the bounded-gate shortcut of
-FLA, a single reference inside the diagonal blocks, is not taken).
+both factors <= 1, so a tensor-core dot handles the off-diagonal blocks. The diagonal
+16 x 16 blocks split at their middle row and take a dot too when the gates' span allows it
+(checked at run time per block, cp_linattn/ops/common/intra.py: log-sigmoid gates and the
+safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly, one
+key column per step.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
 block merge with dots. The stored `Akk` is the inverse A (what the backward needs).
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.launch import launch_options
 
 CHUNK_SIZE = 64
@@ -72,7 +74,7 @@ def kda_intra_wy_fwd_kernel(
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    COMPUTE_A: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    COMPUTE_A: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """One (chunk, value head): Aqk and A = (I + Akk)^-1 (unless given), then w, u, qg, kg.
 
@@ -100,6 +102,7 @@ def kda_intra_wy_fwd_kernel(
             o_i = i_i * BC + tl.arange(0, BC)
             m_i = o_i < chunk_len
             i_ref = tl.minimum(i_i * BC, chunk_len - 1)
+            i_mid = tl.minimum(i_i * BC + BC // 2, chunk_len - 1)
             b_aqk = tl.zeros([BC, BT], dtype=tl.float32)
             b_akk = tl.zeros([BC, BT], dtype=tl.float32)
             for i_k in range(tl.cdiv(K, BK)):
@@ -111,29 +114,44 @@ def kda_intra_wy_fwd_kernel(
                 b_qi = tl.load(q + i_qk[:, None] * K + o_k[None, :], mask=m_ik, other=0).to(tl.float32)
                 b_ki = tl.load(k + i_qk[:, None] * K + o_k[None, :], mask=m_ik, other=0).to(tl.float32)
                 b_gi = tl.load(gk + i_hv_rows[:, None] * K + o_k[None, :], mask=m_ik, other=0)
+                b_gm = tl.load(gk + ((bos + t0 + i_mid) * HV + i_hv) * K + o_k, mask=m_k, other=0)
+                b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
+                diagonal_by_dot = within_span(b_rel, SPAN_LIMIT)
+                # The key tile: columns before the sub-chunk scaled to its first row (factor
+                # <= 1), its own columns to its middle row when the diagonal block takes the dot.
+                m_before = (o_c < i_i * BC) & m_c
+                m_block = (o_c >= i_i * BC) & (o_c < i_i * BC + BC) & m_c & diagonal_by_dot
+                m_ck = (m_before | m_block)[:, None] & m_k[None, :]
+                b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+                b_gc = tl.load(gk + hv_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0)
+                b_gr = tl.load(gk + ((bos + t0 + i_ref) * HV + i_hv) * K + o_k, mask=m_k, other=0)
+                b_ref = tl.where(m_before[:, None], b_gr[None, :], b_gm[None, :])
+                # masking the exponent (not the product) keeps padded rows from overflowing
+                b_kc = b_kc * tl.exp(tl.where(m_ck, b_ref - b_gc, float("-inf")))
                 if i_i > 0:
-                    b_gr = tl.load(gk + ((bos + t0 + i_ref) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-                    m_before = (o_c < i_i * BC) & m_c
-                    m_ck = m_before[:, None] & m_k[None, :]
-                    b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
-                    b_gc = tl.load(gk + hv_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0)
-                    # masking the exponent (not the product) keeps padded rows from overflowing
-                    b_kc = b_kc * tl.exp(tl.where(m_ck, b_gr[None, :] - b_gc, float("-inf")))
                     b_ei = tl.exp(tl.where(m_ik, b_gi - b_gr[None, :], float("-inf")))
-                    b_kct = tl.trans(b_kc.to(dtype))
+                    b_kct = tl.trans(tl.where(m_before[:, None], b_kc, 0).to(dtype))
                     b_aqk += tl.dot((b_qi * b_ei).to(dtype), b_kct, input_precision=DOT_PREC)
                     b_akk += tl.dot((b_ki * b_ei).to(dtype), b_kct, input_precision=DOT_PREC)
-                for j in range(BC):
-                    c = i_i * BC + j
-                    m_j = m_k & (c < chunk_len)
-                    b_kj = tl.load(k + ((bos + t0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
-                    b_gj = tl.load(gk + ((bos + t0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
-                    m_pair = (o_i >= c) & m_i
-                    b_kje = b_kj[None, :] * tl.exp(
-                        tl.where(m_pair[:, None] & m_k[None, :], b_gi - b_gj[None, :], float("-inf")))
-                    m_col = (o_c == c)[None, :]
-                    b_aqk += tl.where(m_col, tl.sum(b_qi * b_kje, axis=1)[:, None], 0)
-                    b_akk += tl.where(m_col & (o_i > c)[:, None], tl.sum(b_ki * b_kje, axis=1)[:, None], 0)
+                if diagonal_by_dot:
+                    b_em = tl.exp(b_rel)
+                    b_kct = tl.trans(tl.where(m_block[:, None], b_kc, 0).to(dtype))
+                    b_sq = tl.dot((b_qi * b_em).to(dtype), b_kct, input_precision=DOT_PREC)
+                    b_sk = tl.dot((b_ki * b_em).to(dtype), b_kct, input_precision=DOT_PREC)
+                    b_aqk += tl.where(o_c[None, :] <= o_i[:, None], b_sq, 0)
+                    b_akk += tl.where(o_c[None, :] < o_i[:, None], b_sk, 0)
+                else:
+                    for j in range(BC):
+                        c = i_i * BC + j
+                        m_j = m_k & (c < chunk_len)
+                        b_kj = tl.load(k + ((bos + t0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
+                        b_gj = tl.load(gk + ((bos + t0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
+                        m_pair = (o_i >= c) & m_i
+                        b_kje = b_kj[None, :] * tl.exp(
+                            tl.where(m_pair[:, None] & m_k[None, :], b_gi - b_gj[None, :], float("-inf")))
+                        m_col = (o_c == c)[None, :]
+                        b_aqk += tl.where(m_col, tl.sum(b_qi * b_kje, axis=1)[:, None], 0)
+                        b_akk += tl.where(m_col & (o_i > c)[:, None], tl.sum(b_ki * b_kje, axis=1)[:, None], 0)
             b_beta_i = tl.load(beta + (bos + t0 + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
             m_store = m_i[:, None] & (o_c < BT)[None, :]
             p_rows = a_off + o_i[:, None] * a_stride + o_c[None, :]
@@ -253,6 +271,7 @@ def kda_intra_wy_fwd(
             Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=head_block_size(K), BV=head_block_size(V),
             COMPUTE_A=compute_a, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+            SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_intra_wy_fwd"),
         )
     return w, u, qg, kg, Aqk, Akk

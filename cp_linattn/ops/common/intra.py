@@ -1,0 +1,39 @@
+"""The overflow guard of the tensor-core path for the diagonal sub-blocks of intra-chunk scores.
+
+Scores like `sum_k q_tk k_sk exp(b_tk - b_sk)` (s <= t, b a non-increasing gate cumsum) are
+exact pair by pair, but a dot needs the exponent split per row: with a reference row m,
+`exp(b_t - b_m) * exp(b_m - b_s)`. Inside a diagonal sub-block the two factors are not both
+<= 1 whichever m is chosen, so they stay finite (and far from the bf16/fp32 underflow) only
+while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block,
+measure that span at run time, use the dot when it is at most `SAFE_SPAN` and otherwise the
+exact one-column-per-step path. Typical gates (log-sigmoid, or KDA's safe gate with
+lower_bound >= -5) fit; only very strong decays (below about -5 per token) take the slow path.
+
+With a span of at most 40 every factor lies in [e^-40, e^40] (about [4e-18, 2e17]): bf16 and
+fp32 hold that with full relative precision, and a product of two factors of the same pair
+is the exact `exp(b_t - b_s)` up to rounding. fp16 cannot (its range ends near e^11), so the
+kernels keep fp16 inputs on the exact path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SAFE_SPAN = 40.0
+
+
+def span_limit(dtype: torch.dtype) -> float:
+    """The largest gate offset the dot path accepts for operands of `dtype`: SAFE_SPAN for
+    bf16 and fp32, and -1 (never met) for fp16."""
+    return -1.0 if dtype == torch.float16 else SAFE_SPAN
+
+
+@triton.jit
+def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
+    """Whether every entry of the fp32 gate offsets `b_rel` ([R, BK], masked entries 0) is
+    within SPAN_LIMIT of its reference row."""
+    fits = tl.max(tl.max(tl.abs(b_rel), axis=1), axis=0) <= SPAN_LIMIT
+    # Round trip through int32: the interpreter's scalar comparison result cannot be &-ed with a
+    # mask otherwise.
+    return fits.to(tl.int32) != 0
