@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cp_linattn.ops.gla.fused_chunk import fused_chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from tests.conftest import requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dh0")
 
@@ -33,6 +33,10 @@ def make_inputs(B, T, H, K, V, *, gate="logsigmoid", use_h0=True, dtype=torch.fl
         g = -5 * torch.rand(B, T, H, K, generator=gen)
     elif gate == "extreme":
         g = -30 + randn(B, T, H, K)
+    elif gate == "mixed":
+        # tokens 16..47 at about -8 per token, beyond the intra-chunk dot path's span limit
+        g = F.logsigmoid(randn(B, T, H, K))
+        g[:, 16:48] = -8 - torch.rand(B, min(T, 48) - 16, H, K, generator=gen)
     else:
         raise AssertionError(gate)
     h0 = randn(B, H, K, V) if use_h0 else None
@@ -126,6 +130,15 @@ def test_strongly_negative_gates(head_first, gate):
     ref = reference(inp)
     floors = {"dg": (inp["q"] * ref["dq"]).abs().max().item()} if gate == "extreme" else None
     assert_matches(fused(inp, head_first=head_first), ref, floors=floors)
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_both_intra_chunk_paths_in_one_call(head_first):
+    from cp_linattn.ops.common.intra import SAFE_SPAN
+    inp = make_inputs(1, 75, 2, 32, 32, gate="mixed", seed=5)
+    spans = diagonal_block_spans(inp["g"][..., 0, :], chunk=16)
+    assert (spans <= SAFE_SPAN).any() and (spans > SAFE_SPAN).any(), spans
+    assert_matches(fused(inp, head_first=head_first), reference(inp))
 
 
 def test_explicit_scale():
@@ -238,6 +251,7 @@ def assert_close_ratio(got, ref, *, ratio):
     pytest.param(False, torch.bfloat16, 777, 256, 256, "logsigmoid", id="bf16-T777-K256"),
     pytest.param(True, torch.float32, 8192, 128, 128, "logsigmoid", id="fp32-T8192-hf"),
     pytest.param(False, torch.float32, 1000, 128, 128, "strong", id="fp32-T1000-strong"),
+    pytest.param(False, torch.bfloat16, 1000, 128, 128, "mixed", id="bf16-T1000-mixed"),
 ])
 def test_gpu_matches_reference(head_first, dtype, T, K, V, gate):
     inp = make_inputs(1, T, 2, K, V, gate=gate, dtype=dtype, device="cuda", seed=11)

@@ -7,12 +7,13 @@ chunks of `BT = 16` tokens and carries its `[BK, BV]` block of the state in fp32
 no per-chunk state is ever written to memory, and the intra-chunk attention is computed in
 the same kernel.
 
-Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself. Every
-exponent the kernels take is a difference `g_i - g_j` with `i` at or after `j` inside one
-chunk (or a chunk-start/chunk-end reference), so it is `<= 0` for log-decay gates and can
-never overflow, however negative the gates are. That is why the chunk is 16 tokens and the
-intra-chunk scores are formed column by column instead of by the factorisation
-`(q e^g)(k e^-g)^T`, whose `e^-g` overflows for gates around -5 per token.
+Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself. The
+intra-chunk scores are a dot of `q e^(g - g_m)` and `k e^(g_m - g)`, m the chunk's middle row,
+when every `|g - g_m|` of the chunk is within SAFE_SPAN (cp_linattn/ops/common/intra.py; the
+operands stay fp32, so the bound holds for every input dtype). Otherwise they are formed
+column by column from differences `g_i - g_j` with `i` at or after `j`, `<= 0` for log-decay
+gates, which never overflow however negative the gates are. Every other exponent is taken
+against a chunk-start or chunk-end reference, also `<= 0`.
 
 Backward is one kernel launch per (batch, head, K-block, V-block): a forward sweep rebuilds
 the states to get the inter-chunk part of dq, then a reverse sweep carries `dh` in registers
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.intra import SAFE_SPAN, within_span
 from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
 
@@ -55,30 +57,47 @@ def _row(x, j, BT: tl.constexpr):
 
 
 @triton.jit
-def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRADS: tl.constexpr):
+def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRADS: tl.constexpr,
+                 PRECISION: tl.constexpr, SPAN_LIMIT: tl.constexpr):
     """Intra-chunk gated scores of one K-block and, with GRADS, their gradients.
 
     b_qs (scaled q), b_k, b_gc (in-chunk cumulative gate): fp32 `[BT, BK]`;
     b_dp: fp32 `[BT, BT]`, `do @ v^T` (only read with GRADS).
     Returns A `[BT, BT]` with `A_ij = sum_k qs_ik k_jk exp(gc_ik - gc_jk)` for `i >= j`,
     and with GRADS the intra-chunk dq (before the scale) and dk, both `[BT, BK]`.
-    Column j's decay `exp(gc_i - gc_j)` is only formed for `i >= j` (exponent <= 0).
+    The dot path's fp32 operands take PRECISION; on the column path column j's decay
+    `exp(gc_i - gc_j)` is only formed for `i >= j` (exponent <= 0).
     """
     o_r = tl.arange(0, BT)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    for j in range(BT):
-        b_kj = _row(b_k, j, BT)
-        b_gj = _row(b_gc, j, BT)
-        causal = o_r[:, None] >= j
-        b_e = tl.exp(tl.where(causal, b_gc - b_gj[None, :], float("-inf")))
-        b_qe = b_qs * b_e
-        b_a = tl.where(o_r[None, :] == j, tl.sum(b_qe * b_kj[None, :], axis=1)[:, None], b_a)
+    causal = o_r[:, None] >= o_r[None, :]
+    # Tail rows carry the last row's cumulative gate, so they never widen the span.
+    b_rel = b_gc - _row(b_gc, BT // 2, BT)[None, :]
+    if within_span(b_rel, SPAN_LIMIT):
+        b_to_mid = tl.exp(b_rel)
+        b_from_mid = tl.exp(-b_rel)
+        b_qe = b_qs * b_to_mid
+        b_ke = b_k * b_from_mid
+        b_a = tl.where(causal, tl.dot(b_qe, tl.trans(b_ke), input_precision=PRECISION), 0.0)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         if GRADS:
-            b_dpj = tl.sum(tl.where(o_r[None, :] == j, b_dp, 0.0), axis=1)
-            b_dq += b_dpj[:, None] * b_e * b_kj[None, :]
-            b_dk = tl.where(o_r[:, None] == j, tl.sum(b_dpj[:, None] * b_qe, axis=0)[None, :], b_dk)
+            b_dpc = tl.where(causal, b_dp, 0.0)
+            b_dq = b_to_mid * tl.dot(b_dpc, b_ke, input_precision=PRECISION)
+            b_dk = b_from_mid * tl.dot(tl.trans(b_dpc), b_qe, input_precision=PRECISION)
+    else:
+        b_a = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        for j in range(BT):
+            b_kj = _row(b_k, j, BT)
+            b_gj = _row(b_gc, j, BT)
+            b_e = tl.exp(tl.where(o_r[:, None] >= j, b_gc - b_gj[None, :], float("-inf")))
+            b_qe = b_qs * b_e
+            b_a = tl.where(o_r[None, :] == j, tl.sum(b_qe * b_kj[None, :], axis=1)[:, None], b_a)
+            if GRADS:
+                b_dpj = tl.sum(tl.where(o_r[None, :] == j, b_dp, 0.0), axis=1)
+                b_dq += b_dpj[:, None] * b_e * b_kj[None, :]
+                b_dk = tl.where(o_r[:, None] == j, tl.sum(b_dpj[:, None] * b_qe, axis=0)[None, :], b_dk)
     return b_a, b_dq, b_dk
 
 
@@ -98,6 +117,7 @@ def fused_chunk_gla_fwd_kernel(
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
 ):
     """Output and final state of one (K-block, V-block) of one (batch, head).
 
@@ -134,7 +154,7 @@ def fused_chunk_gla_fwd_kernel(
         b_glast = _row(b_gc, BT - 1, BT)
         b_v = tl.load(v + p_vd, mask=m_tv, other=0)
 
-        b_a, _, _ = _intra_chunk(b_qs, b_k.to(tl.float32), b_gc, None, BT, BK, False)
+        b_a, _, _ = _intra_chunk(b_qs, b_k.to(tl.float32), b_gc, None, BT, BK, False, DOT_PRECISION, SPAN_LIMIT)
         b_o = tl.dot((b_qs * tl.exp(b_gc)).to(b_v.dtype), b_h.to(b_v.dtype), input_precision=DOT_PRECISION)
         b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         tl.store(o + p_vd, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -163,6 +183,7 @@ def fused_chunk_gla_bwd_kernel(
     USE_DHT: tl.constexpr,
     STORE_DH0: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
     STATE_PRECISION: tl.constexpr,
 ):
     """All gradients of one (K-block, V-block) of one (batch, head).
@@ -246,7 +267,7 @@ def fused_chunk_gla_bwd_kernel(
         b_dq = tl.load(dg + p_kd, mask=m_tk, other=0)
 
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        b_a, b_dq_intra, b_dk = _intra_chunk(b_qs, b_k, b_gc, b_dp, BT, BK, True)
+        b_a, b_dq_intra, b_dk = _intra_chunk(b_qs, b_k, b_gc, b_dp, BT, BK, True, STATE_PRECISION, SPAN_LIMIT)
         b_dq += scale * b_dq_intra
 
         b_kdecay = tl.exp(b_glast[None, :] - b_gc)
@@ -279,7 +300,8 @@ def _launch_config(kernel: str, K: int, V: int, dtype: torch.dtype) -> dict:
     fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
     """
     BK, BV = tiles(kernel, K, V)
-    return dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype), **launch_options(kernel))
+    return dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype), SPAN_LIMIT=SAFE_SPAN,
+                **launch_options(kernel))
 
 
 def _sum_blocks(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
