@@ -31,6 +31,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def fp32_dot_precision(dtype: torch.dtype) -> str:
+    """For dots whose operands are kept in fp32 because rounding them to the input dtype costs
+    too much (terms that later cancel): fp32-accurate in every mode (tf32x3 = three tf32 passes)."""
+    return "ieee" if dtype == torch.float32 else "tf32x3"
+
+
 @triton.jit
 def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(first token, length, index of the first chunk in the h tensors) of sequence i_n."""

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.intra import SAFE_SPAN, within_span
 from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
@@ -372,7 +372,7 @@ def fused_chunk_gla_bwd(
         q, k, v, g, do, initial_state, dht, dq, dk, dv, dg, dh0, scale, T,
         B=B, H=H, K=K, V=V, HEAD_FIRST=head_first,
         USE_H0=initial_state is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
-        STATE_PRECISION="ieee" if q.dtype == torch.float32 else "tf32x3", **cfg,
+        STATE_PRECISION=fp32_dot_precision(q.dtype), **cfg,
     )
     return (_sum_blocks(dq, q.dtype), _sum_blocks(dk, k.dtype), _sum_blocks(dv, v.dtype),
             _sum_blocks(dg, g.dtype), dh0)
