@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision, fp32_dot_precision
+from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.cp.context import FLACPContext, check_cp_call
@@ -198,7 +198,7 @@ def chunk_gla_bwd_dqkg_kernel(
     q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr, FP32_DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -259,12 +259,16 @@ def chunk_gla_bwd_dqkg_kernel(
     if within_span(b_rel, SPAN_LIMIT):
         b_to_mid = tl.exp(b_rel)
         b_from_mid = tl.exp(-b_rel)
-        in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC)
-        # fp32 operands: dg = q dq - k dk cancels where the decay is strong, which is where
-        # these diagonal terms dominate; bf16-rounded factors would show there.
-        b_da_diag = tl.where(in_diagonal, b_da, 0)
-        b_dq += b_to_mid * tl.dot(b_da_diag, b_k * b_from_mid, input_precision=FP32_DOT_PREC)
-        b_dk += b_from_mid * tl.dot(tl.trans(b_da_diag), b_q * b_to_mid, input_precision=FP32_DOT_PREC)
+        # The t == s terms (decay 1) are added exactly, outside the dot: in dg = q dq - k dk
+        # they cancel, and under strong decay they dominate, so bf16-rounded dot operands
+        # would leave their rounding as dg's error.
+        on_diagonal = o_i[:, None] == o_i[None, :]
+        b_da_self = tl.sum(tl.where(on_diagonal, b_da, 0), axis=1)
+        b_da_strict = tl.where((o_i[:, None] // BC == o_i[None, :] // BC) & ~on_diagonal, b_da, 0).to(dtype)
+        b_dq += b_to_mid * tl.dot(b_da_strict, (b_k * b_from_mid).to(dtype), input_precision=DOT_PREC)
+        b_dk += b_from_mid * tl.dot(tl.trans(b_da_strict), (b_q * b_to_mid).to(dtype), input_precision=DOT_PREC)
+        b_dq += b_da_self[:, None] * b_k
+        b_dk += b_da_self[:, None] * b_q
     else:
         block_start = (o_i // BC) * BC
         for j in range(BC):
@@ -348,7 +352,6 @@ def chunk_gla_bwd_dqkg(
             q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
-            FP32_DOT_PREC=fp32_dot_precision(q.dtype),
             **launch_options("gla_bwd_dqkg"),
         )
     return dq, dk, dg

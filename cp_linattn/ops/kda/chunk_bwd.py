@@ -27,7 +27,7 @@ import triton.language as tl
 
 from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h, chunk_span
-from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
+from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
@@ -166,7 +166,7 @@ def kda_bwd_intra_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr, FP32_DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
     of one 16-row sub-chunk; grid (NT * BT // BC, B * HV).
@@ -209,11 +209,14 @@ def kda_bwd_intra_kernel(
     b_d_col = tl.load(dL + p_col_strip, mask=m_col_strip, other=0)
     b_beta_c = tl.load(beta + rows, mask=m_c, other=0).to(tl.float32)
     b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
-    # the diagonal blocks of dS (lower, diagonal included) and dL (strictly lower), for the dot path
+    # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
+    # i == j terms, decay 1) is added exactly: in dg = q dq - k dk those terms cancel, and under
+    # strong decay they dominate, so bf16-rounded dot operands would leave their rounding as dg's error.
     p_diag = rows_i[:, None] * BT + o_i[None, :]
-    m_lower = m_i[:, None] & (o_i[None, :] <= o_i[:, None])
-    b_p_diag = tl.load(dS + p_diag, mask=m_lower, other=0)
-    b_d_diag = tl.load(dL + p_diag, mask=m_lower & (o_i[None, :] < o_i[:, None]), other=0)
+    m_strict = m_i[:, None] & (o_i[None, :] < o_i[:, None])
+    b_p_diag = tl.load(dS + p_diag, mask=m_strict, other=0).to(dtype)
+    b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0).to(dtype)
+    b_p_self = tl.load(dS + rows_i * BT + o_i, mask=m_i, other=0)
 
     b_dbeta = tl.zeros([BC], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -254,12 +257,13 @@ def kda_bwd_intra_kernel(
         if within_span(b_rel, SPAN_LIMIT):
             b_em = tl.exp(b_rel)
             b_emi = tl.exp(-b_rel)
-            # fp32 operands: dg cancels where the decay is strong, where these terms dominate
-            b_kt = b_ki * b_emi
-            b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=FP32_DOT_PREC)
-            b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=FP32_DOT_PREC)
-            b_dks += b_emi * tl.dot(tl.trans(b_p_diag), b_qi * b_em, input_precision=FP32_DOT_PREC)
-            b_cc += b_emi * tl.dot(tl.trans(b_d_diag), b_ki * b_em * b_beta_i[:, None], input_precision=FP32_DOT_PREC)
+            b_kt = (b_ki * b_emi).to(dtype)
+            b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=DOT_PREC) + b_p_self[:, None] * b_ki
+            b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=DOT_PREC)
+            b_dks += b_emi * tl.dot(tl.trans(b_p_diag), (b_qi * b_em).to(dtype), input_precision=DOT_PREC)
+            b_dks += b_p_self[:, None] * b_qi
+            b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
+                                   input_precision=DOT_PREC)
         else:
             for j in range(BC):
                 c = i_i * BC + j
@@ -380,7 +384,7 @@ def chunk_kda_bwd(
         kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
             q, k, gk, beta, dS, dL, dq, dk, dgk, dbeta, cu_seqlens, chunk_indices, T,
             H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
-            SPAN_LIMIT=span_limit(k.dtype), FP32_DOT_PREC=fp32_dot_precision(k.dtype),
+            SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_bwd_intra"),
         )
     if HV > H:
