@@ -15,7 +15,8 @@ of the state leaving the chunk, dv2 the total gradient of v_new):
        dL  = -(A^T dA A^T) restricted to the strictly lower part (L = Akk before inversion)
 4. `kda_bwd_intra`: the gradients through S and L, in sub-chunks of 16 with the same
    overflow-free reference points as the forward (first row of the sub-chunk for the columns
-   before it, last row for the rows after it, exact pairs inside the diagonal blocks).
+   before it, last row for the rows after it; inside the diagonal blocks the dot split at the
+   middle row when the gate span allows it, else exact pairs, as in the forward).
 5. dg = reverse chunk-local cumsum of dgk (the gk are cumsums of g), then the in-kernel
    gate's backward if any; dq, dk are summed over each GVA group.
 """
