@@ -3,7 +3,9 @@ import torch
 
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
 from cp_linattn.ops.kda.naive import naive_recurrent_kda
-from cp_linattn.ops.utils import check_cu_seqlens, check_inputs, check_scale, prepare_chunk_indices, prepare_chunk_offsets
+from cp_linattn.ops.utils import (
+    check_cu_seqlens, check_inputs, check_scale, prepare_chunk_indices, prepare_chunk_offsets, prepare_varlen_chunks,
+)
 
 
 def _qkvg(B=1, T=10, H=2, K=4, V=3, HV=None):
@@ -88,3 +90,18 @@ def test_chunk_bookkeeping():
     idx = prepare_chunk_indices(cu, 64)
     assert idx.dtype == torch.int32
     assert idx.tolist() == [[0, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2]]
+
+
+def test_varlen_chunks_from_the_host_copy():
+    """The ops build their chunk tables from the CPU copy of the offsets (no device read-back)."""
+    cu = torch.tensor([0, 3, 3, 70, 200])
+    indices, offsets = prepare_varlen_chunks(cu, cu.clone(), 64)
+    assert torch.equal(indices, prepare_chunk_indices(cu, 64)) and indices.dtype == torch.int32
+    assert torch.equal(offsets, prepare_chunk_offsets(cu, 64))
+
+
+def test_cu_seqlens_checked_on_the_given_cpu_copy():
+    cu = torch.tensor([0, 5, 10])
+    assert check_cu_seqlens(cu, batch_size=1, seq_len=10, device=cu.device, cpu_copy=cu.clone()).tolist() == [0, 5, 10]
+    with pytest.raises(ValueError, match="must end at T=10"):
+        check_cu_seqlens(cu, batch_size=1, seq_len=10, device=cu.device, cpu_copy=torch.tensor([0, 5, 9]))

@@ -45,10 +45,13 @@ def check_tensor(
         raise ValueError(f"{name} must be on device {device} (the device of q), got {x.device}")
 
 
-def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch.device,
+                     cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
     """Validate packed-varlen offsets and return them as a CPU int64 tensor.
 
     cu_seqlens: int64 `[N + 1]`, starting at 0, non-decreasing, ending at T; requires B == 1.
+    cpu_copy: the same offsets already on the CPU (a CP context keeps one), read instead of
+    copying cu_seqlens back, which would wait for the device.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -60,7 +63,7 @@ def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch
         raise ValueError(f"cu_seqlens must be on device {device} (the device of q), got {cu_seqlens.device}")
     if batch_size != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (a packed batch), got B={batch_size}")
-    cpu = cu_seqlens.detach().cpu()
+    cpu = cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
     if int(cpu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
     if bool((cpu[1:] < cpu[:-1]).any()):
@@ -104,6 +107,7 @@ def check_inputs(
     *,
     initial_state=None,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
     allow_gva: bool = False,
     state_v_first: bool = False,
     g_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
@@ -112,7 +116,8 @@ def check_inputs(
 
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]`; beta (KDA): `[B, T, HV]`;
     initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), any float dtype.
-    HV == H unless `allow_gva`, in which case HV must be a multiple of H.
+    HV == H unless `allow_gva`, in which case HV must be a multiple of H. cu_seqlens_cpu: an
+    existing CPU copy of cu_seqlens (see `check_cu_seqlens`).
     """
     check_tensor("q", q, ndim=4)
     B, T, H, K = q.shape
@@ -136,7 +141,7 @@ def check_inputs(
         check_tensor("beta", beta, shape=(B, T, HV), device=dev)
     cu_cpu = None
     if cu_seqlens is not None:
-        cu_cpu = check_cu_seqlens(cu_seqlens, batch_size=B, seq_len=T, device=dev)
+        cu_cpu = check_cu_seqlens(cu_seqlens, batch_size=B, seq_len=T, device=dev, cpu_copy=cu_seqlens_cpu)
         N = cu_cpu.numel() - 1
     else:
         N = B
@@ -176,6 +181,15 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
     first = torch.cumsum(torch.tensor([0] + n_chunks[:-1], dtype=torch.long), 0)
     local = torch.arange(seq.numel()) - first[seq]
     return torch.stack([seq, local], 1).to(device=cu_seqlens.device, dtype=torch.int32)
+
+
+def prepare_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                          chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`prepare_chunk_indices`, `prepare_chunk_offsets`) on cu_seqlens' device, built on the
+    host from its CPU copy: no read-back of device offsets, so the host never waits for the GPU."""
+    device = cu_seqlens.device
+    return (prepare_chunk_indices(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True),
+            prepare_chunk_offsets(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True))
 
 
 def sequence_spans(dims: Dims) -> list[tuple[int, int, int]]:

@@ -31,7 +31,7 @@ from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -367,11 +367,10 @@ class ChunkGLAFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cp_context):
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
-            chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+            chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
         h0, record = initial_state, None
@@ -407,7 +406,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, **varlen)
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global)
-        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None, None
+        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None, None, None
 
 
 def chunk_gla(
@@ -447,7 +446,8 @@ def chunk_gla(
     """
     if cp_context is not None:
         cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g)
-    dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens)
+    dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else None)
     if cp_context is not None and initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.H, dims.K, dims.V),
                      device=q.device)
@@ -455,4 +455,5 @@ def chunk_gla(
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens, cp_context)
+    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens,
+                                  dims.cu_seqlens_cpu, cp_context)

@@ -10,7 +10,7 @@ from cp_linattn.cp.state import compress_h0
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_chunk_indices, prepare_chunk_offsets
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
@@ -21,11 +21,10 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                 use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute, state_v_first,
-                cu_seqlens, cp_context):
+                cu_seqlens, cu_seqlens_cpu, cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
-            chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+            chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if use_qk_l2norm_in_kernel else (q, k)
         o, final_state, saved = chunk_kda_fwd(
             qn, kn, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log, dt_bias,
@@ -65,7 +64,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if use_l2norm:
             dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dA_log,
-                ddt_bias, dh0, None, None, None, None, None, None, None, None, None)
+                ddt_bias, dh0, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound) -> None:
@@ -156,7 +155,8 @@ def chunk_kda(
     `I - beta k k^T` must be a contraction); with beta near 1 that needs L2-normalised keys.
     Pass normalised k or set `use_qk_l2norm_in_kernel=True`: with large unnormalised keys the
     states (and the `(I + Akk)^-1` of each chunk) grow exponentially and overflow. Gates of
-    any strength are safe: no exponent of a gate difference is ever positive.
+    any strength are safe: an exponent of a gate difference is either <= 0 or, on the
+    tensor-core path of the diagonal sub-blocks, bounded by a run-time check of the gates' span.
 
     Returns:
         o `[B, T, HV, V]` in v's dtype and the final state (fp32) or None.
@@ -164,6 +164,7 @@ def chunk_kda(
     if cp_context is not None:
         cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g, beta=beta)
     dims = check_inputs(q, k, v, g, beta, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else None,
                         allow_gva=True, state_v_first=state_v_first)
     if cp_context is not None and initial_state is not None:
         shape = (dims.V, dims.K) if state_v_first else (dims.K, dims.V)
@@ -178,5 +179,5 @@ def chunk_kda(
     return ChunkKDAFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, None if lower_bound is None else float(lower_bound), disable_recompute, state_v_first,
-        cu_seqlens, cp_context,
+        cu_seqlens, dims.cu_seqlens_cpu, cp_context,
     )
