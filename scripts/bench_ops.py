@@ -160,7 +160,7 @@ CASES = {
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    p.add_argument("--groups", nargs="+", default=list(CASES))
+    p.add_argument("--groups", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the varlen case; 0 skips it")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--render", nargs="+", metavar="FILE", default=None,
