@@ -79,7 +79,7 @@ def chunk_state_forward_kernel(
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
-            tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h, mask=m_kv)
+            tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h.to(h.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * H + i_h
@@ -168,6 +168,7 @@ def chunk_fwd_h(
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
     store_chunk_states: bool = True,
+    states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk, and the final states.
 
@@ -181,22 +182,27 @@ def chunk_fwd_h(
             `prepare_chunk_offsets(cu_seqlens, chunk_size)`, to skip the host work.
         store_chunk_states: False when only the final states are wanted (the CP pre-process):
             h is then neither allocated nor written, and None is returned for it.
+        states_dtype: dtype of the stored per-chunk states. The recurrence always runs in
+            fp32; a kernel that casts h to its dot operands' dtype anyway (GLA's output) loses
+            nothing when h is stored in that dtype, and reads half the bytes.
 
     Returns:
-        h: fp32 `[B, NT, H, K, V]`, h[:, c] the state before chunk c (NT = chunks per row, or
-            the total number of chunks of the packed batch with `cu_seqlens`), or None;
+        h: `[B, NT, H, K, V]` in `states_dtype`, h[:, c] the state before chunk c (NT = chunks
+            per row, or the total number of chunks of the packed batch with `cu_seqlens`), or None;
         ht: fp32 `[N, H, K, V]` state after each sequence's last token, or None.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     check_tensor("v", v, shape=(B, T, H, None), device=k.device)
     check_tensor("gk", gk, shape=(B, T, H, K), device=k.device, dtypes=(torch.float32,))
+    if states_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"states_dtype must be torch.float32, float16 or bfloat16, got {states_dtype}")
     N, NT, chunk_offsets = _chunk_bookkeeping(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
     if h0 is not None:
         check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)
     k, v, gk = k.contiguous(), v.contiguous(), gk.contiguous()
     h0 = h0.contiguous() if h0 is not None else None
-    h = k.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_states else None
+    h = k.new_empty(B, NT, H, K, V, dtype=states_dtype) if store_chunk_states else None
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     BK, BV = tiles("chunk_state_forward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)

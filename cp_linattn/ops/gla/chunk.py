@@ -5,16 +5,18 @@ Per chunk of BT = 64 tokens, with b the chunk-local cumsum of g and h the state 
     o_t = scale * (q_t * exp b_t)^T h + sum_{s <= t in chunk} A_ts v_s,
     A_ts = scale * sum_k q_tk k_sk exp(b_tk - b_sk).
 
-A is never stored: the output and dv kernels rebuild it in registers, in 16-row blocks.
-For the block of rows [r, r + 16) and the columns before r the gate difference is split at
+The output kernel builds A in registers, in 16-row blocks, and stores it (scaled, in the
+input dtype: exactly the operand of its dot) for the dv kernel. For the block of rows [r, r + 16) and the columns before r the gate difference is split at
 b_r: `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
 tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each
 block's middle row when the gates allow it (cp_linattn/ops/common/intra.py checks the span at
 run time); otherwise exp(b_t - b_s) is taken pair by pair (one key column per step), which is
 exact for any decay.
 
-Forward: gate cumsum, `chunk_fwd_h` (states), output kernel. Backward: states recomputed,
-`chunk_bwd_dh`, a dv kernel and a dq/dk/dg kernel. The log-gate gradient uses
+Forward: gate cumsum, `chunk_fwd_h` (states, stored in the input dtype), output kernel.
+Backward: `chunk_bwd_dh`, a dv kernel (from the stored A) and a dq/dk/dg kernel (from the
+stored states). Keeping h and A costs `NT * H * K * V + T * H * 64` elements of the input
+dtype per layer, and saves a second state recurrence and a second build of A. The log-gate gradient uses
 `dL/db_t = q_t dq_t - k_t dk_t` for every token, and for the chunk's total decay b_last
 (which every g of the chunk feeds) `dL/db_last = sum_v (h_next * dh)`, h_next the state leaving
 the chunk; hence `dg = reverse_cumsum_in_chunk(q dq - k dk) + dL/db_last`.
@@ -110,12 +112,14 @@ def intra_chunk_scores(
 
 @triton.jit
 def chunk_gla_fwd_o_kernel(
-    q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, gk, h, o, A, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
-    """o = scale * ((q * exp b) h + A v) for one [BT, BV] tile; grid (cdiv(V, BV), NT, B * H)."""
+    """o = scale * (q * exp b) h + A v for one [BT, BV] tile, and A = scale * scores (the
+    rounded dot operand, stored for dv); grid (cdiv(V, BV), NT, B * H). With several V tiles
+    each writes the same A."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
@@ -142,25 +146,28 @@ def chunk_gla_fwd_o_kernel(
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_q_start = tl.where(m_tk, b_q * tl.exp(b_g), 0)
         b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PREC)
+    b_a = (b_a * scale).to(dtype)
+    tl.store(A + (chunk_row0 + o_i[:, None] * H) * BT + o_i[None, :], b_a, mask=m_t[:, None])
     m_tv = m_t[:, None] & m_v[None, :]
     v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
     b_v = tl.load(v + v_offs, mask=m_tv, other=0)
-    b_o += tl.dot(b_a.to(dtype), b_v, input_precision=DOT_PREC)
-    tl.store(o + v_offs, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+    b_o = b_o * scale + tl.dot(b_a, b_v, input_precision=DOT_PREC)
+    tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def chunk_gla_bwd_dv_kernel(
-    q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
+    k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dv = scale * A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile; grid like the output."""
+    """dv = A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile, A the forward's scaled
+    scores; grid like the output."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    dtype = q.dtype.element_ty
+    dtype = k.dtype.element_ty
     chunk_len = seq_len - t0
     chunk_row0 = (bos + t0) * H + i_h
     last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
@@ -170,26 +177,23 @@ def chunk_gla_bwd_dv_kernel(
     m_v = o_v < V
     dh_base = dh + (state_index * H + i_h) * K * V
 
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
-        b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
-        b_g = tl.load(gk + offs, mask=m_tk, other=0)
-        b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
-                                  H, K, BT, BC, DOT_PREC, SPAN_LIMIT)
         b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
+        b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_g_last = tl.load(gk + last_row * K + o_k, mask=m_k, other=0)
         b_k_end = tl.where(m_tk, b_k * tl.exp(b_g_last[None, :] - b_g), 0)
         b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_dv += tl.dot(b_k_end.to(dtype), b_dh.to(dtype), input_precision=DOT_PREC)
+    b_a = tl.load(A + (chunk_row0 + o_i[:, None] * H) * BT + o_i[None, :], mask=m_t[:, None], other=0)
     m_tv = m_t[:, None] & m_v[None, :]
     v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
     b_do = tl.load(do + v_offs, mask=m_tv, other=0)
-    b_dv += tl.dot(tl.trans((b_a * scale).to(dtype)), b_do, input_precision=DOT_PREC)
+    b_dv += tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC)
     tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
@@ -303,36 +307,39 @@ def _launch_shape(kernel: str, q: torch.Tensor, v: torch.Tensor):
 def chunk_gla_fwd_o(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor, scale: float,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and the states h
-    (fp32 `[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`)."""
+    (`[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`); and the scaled
+    intra-chunk scores A `[B, T, H, CHUNK_SIZE]` in q's dtype (row t of a chunk holds
+    `scale * sum_k q_tk k_sk exp(b_tk - b_sk)` for its keys s <= t, zeros after), which dv reads."""
     B, T, H, K, V, BK, BV = _launch_shape("gla_fwd_o", q, v)
     NT = h.shape[1]
     o = torch.empty_like(v)
+    A = q.new_empty(B, T, H, CHUNK_SIZE)
     if NT > 0:
         chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
-            q, k, v, gk, h, o, cu_seqlens, chunk_indices, scale, T,
+            q, k, v, gk, h, o, A, cu_seqlens, chunk_indices, scale, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
             **launch_options("gla_fwd_o"),
         )
-    return o
+    return o, A
 
 
 def chunk_gla_bwd_dv(
-    q: torch.Tensor, k: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, scale: float,
+    k: torch.Tensor, gk: torch.Tensor, A: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dv `[B, T, H, V]` in do's dtype; dh fp32 `[B, NT, H, K, V]` from `chunk_bwd_dh`."""
-    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dv", q, do)
+    """dv `[B, T, H, V]` in do's dtype; A from `chunk_gla_fwd_o`, dh fp32 `[B, NT, H, K, V]`
+    from `chunk_bwd_dh`."""
+    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dv", k, do)
     NT = dh.shape[1]
     dv = torch.empty_like(do)
     if NT > 0:
         chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
-            q, k, gk, do, dh, dv, cu_seqlens, chunk_indices, scale, T,
-            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
-            **launch_options("gla_bwd_dv"),
+            k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
+            H=H, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), **launch_options("gla_bwd_dv"),
         )
     return dv
 
@@ -341,12 +348,13 @@ def chunk_gla_bwd_dqkg(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor,
     do: torch.Tensor, dh: torch.Tensor, scale: float,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    dg_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk (q's dtype) and dg (fp32), all `[B, T, H, K]`."""
+    """dq, dk (q's dtype) and dg (`dg_dtype`; accumulated in fp32), all `[B, T, H, K]`."""
     B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dqkg", q, v)
     NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty_like(gk)
+    dg = torch.empty_like(gk, dtype=dg_dtype)
     if NT > 0:
         chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
             q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
@@ -377,12 +385,13 @@ class ChunkGLAFunction(torch.autograd.Function):
         if cp_context is not None:
             S_in, record = gla_incoming_state(k, v, g, gk, initial_state, cp_context)
             h0 = expand_h0(S_in, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
-        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=output_final_state,
-                            chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
-        o = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
+        # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
+        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=output_final_state, chunk_offsets=chunk_offsets,
+                            chunk_size=CHUNK_SIZE, states_dtype=q.dtype, **varlen)
+        o, A = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
         if cp_context is not None and ht is not None:
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state)
-        ctx.save_for_backward(q, k, v, gk, h0, cu_seqlens, chunk_indices, chunk_offsets)
+        ctx.save_for_backward(q, k, v, gk, h, A, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
         ctx.cp = (cp_context, record, initial_state is not None)
@@ -390,7 +399,7 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gk, h0, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        q, k, v, gk, h, A, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
         cp_context, record, user_h0 = ctx.cp
         scale = ctx.scale
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -398,15 +407,13 @@ class ChunkGLAFunction(torch.autograd.Function):
         dht_global = dht
         if cp_context is not None:
             dht = gla_final_state_grad(q, gk, do, scale, dht, record)
-        h, _ = chunk_fwd_h(k, v, gk, h0=h0, chunk_offsets=chunk_offsets,
-                           chunk_size=CHUNK_SIZE, **varlen)
         dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=user_h0,
                                chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
-        dv = chunk_gla_bwd_dv(q, k, gk, do, dh, scale, **varlen)
-        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, **varlen)
+        dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
+        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global)
-        return dq, dk, dv, dg.to(ctx.g_dtype), None, dh0, None, None, None, None
+        return dq, dk, dv, dg, None, dh0, None, None, None, None
 
 
 def chunk_gla(
