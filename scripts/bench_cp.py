@@ -7,19 +7,21 @@ tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T
   (`cu_seqlens=[0, T/D]`, no cp_context): the kernels every rank runs anyway.
 - pre-process: the extra work of a CP rank, timed by calling the library's own functions
   with the exact arguments the op passes them in a real CP step (captured from one):
-    forward  `*_incoming_state` (cp/state.py) + `expand_h0`: the state kernel over the
-             rank's last fragment from a zero state (GLA: `chunk_fwd_h` plus the diagonal
-             transition exp(sum g); KDA: the delta-rule `chunk_delta_rule_fwd_h` on [u, 0]
-             from [0, I], which yields S_ext and the K x K transition in one pass), the
-             all-gather, and the fp32 fold of the earlier ranks' (S_ext, M) into the
-             incoming initial state;
-    backward `*_final_state_grad`: the reverse state kernel over the rank's first fragment
-             from a zero gradient (GLA: `chunk_bwd_dh`; KDA: `chunk_delta_rule_bwd_dhu`, the
-             seed's dhu pre-process), the all-gather, and the fold of the later ranks.
-  Rank 0 runs only the forward fragment kernel, the last rank only the backward one, the
-  middle ranks both (and D - 1 fold steps in all); every rank is timed and the table shows
-  the one with the most pre-process time. Overhead = (pre fwd + pre bwd) / local fwd+bwd,
-  against the 10% target.
+    GLA forward  `expand_h0` + `gla_apply_incoming_state` (cp/state.py): the local state
+             pass already gives this rank's message (its last fragment's final state from a
+             zero start, and the diagonal transition from the chunk decays), so what is left
+             is the all-gather, the fp32 fold of the earlier ranks' (S_ext, M), and one
+             chunk-parallel pass adding the incoming state to the first sequence's stored
+             states (`add_decayed_state`);
+    GLA backward `gather_final_state_grad` + `gla_apply_incoming_grad`: the same in reverse
+             (the message is the local reverse pass's dh0 of the first sequence);
+    KDA forward  `kda_incoming_state` + `expand_h0`: the delta-rule `chunk_delta_rule_fwd_h`
+             over the rank's last fragment on [u, 0] from [0, I], which yields S_ext and the
+             K x K transition in one pass, the all-gather and the fold;
+    KDA backward `kda_final_state_grad`: `chunk_delta_rule_bwd_dhu` over the first fragment
+             from a zero gradient (the seed's dhu pre-process), the all-gather and the fold.
+  Every rank is timed and the table shows the one with the most pre-process time.
+  Overhead = (pre fwd + pre bwd) / local fwd+bwd, against the 10% target.
 - CP fwd+bwd: the whole op under cp_context, end to end, as a cross-check: its excess over
   local also counts what the pre-process timing leaves out (host-side validation, the h0
   and dht the local kernels then read, KDA's dh0 of the incoming state).
@@ -119,21 +121,21 @@ class OpSpec:
 
     inputs: Callable[[int, int, int, int, torch.device, torch.dtype], Tensors]
     call: Callable[..., torch.Tensor]  # call(x, cu_seqlens=..., cp_context=...) -> o
-    fwd_module: ModuleType  # calls `incoming` and `expand_h0`
-    incoming: str
-    bwd_module: ModuleType  # calls `final_grad`
-    final_grad: str
+    fwd_hooks: tuple[tuple[ModuleType, str], ...]  # the forward pre-process calls
+    bwd_hooks: tuple[tuple[ModuleType, str], ...]  # the backward ones
 
     def hooks(self) -> dict[str, tuple[ModuleType, str]]:
-        return dict(incoming=(self.fwd_module, self.incoming), expand=(self.fwd_module, "expand_h0"),
-                    final_grad=(self.bwd_module, self.final_grad))
+        return {f"{d}:{attr}": (mod, attr) for d, hooks in (("fwd", self.fwd_hooks), ("bwd", self.bwd_hooks))
+                for mod, attr in hooks}
 
 
 OPS = {
     "gla": OpSpec(_gla_inputs, lambda x, **kw: chunk_gla(x["q"], x["k"], x["v"], x["g"], **kw)[0],
-                  gla_chunk, "gla_incoming_state", gla_chunk, "gla_final_state_grad"),
+                  ((gla_chunk, "expand_h0"), (gla_chunk, "gla_apply_incoming_state")),
+                  ((gla_chunk, "gather_final_state_grad"), (gla_chunk, "gla_apply_incoming_grad"))),
     "kda": OpSpec(_kda_inputs, lambda x, **kw: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0],
-                  kda_chunk_fwd, "kda_incoming_state", kda_chunk_bwd, "kda_final_state_grad"),
+                  ((kda_chunk_fwd, "kda_incoming_state"), (kda_chunk_fwd, "expand_h0")),
+                  ((kda_chunk_bwd, "kda_final_state_grad"),)),
 }
 
 
@@ -228,21 +230,19 @@ def captured_step(spec: OpSpec, x: Tensors, do: torch.Tensor,
 
 
 def pre_process_fns(spec: OpSpec, calls: dict[str, mock._Call]) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Replays of the captured forward and backward pre-process calls (grad mode off, as
-    inside the autograd Function)."""
-    fn = {h: getattr(mod, attr) for h, (mod, attr) in spec.hooks().items()}
-    inc, exp, fin = calls["incoming"], calls["expand"], calls["final_grad"]
+    """Replays of the captured forward and backward pre-process calls with their captured
+    arguments (grad mode off, as inside the autograd Function). GLA's updates its states in
+    place: a replay adds the incoming state once more, which changes values, not the work."""
+    def replay(prefix: str) -> Callable[[], None]:
+        todo = [(getattr(mod, attr), calls[h]) for h, (mod, attr) in spec.hooks().items() if h.startswith(prefix)]
 
-    def forward() -> None:
-        with torch.no_grad():
-            S_in, _ = fn["incoming"](*inc.args, **inc.kwargs)
-            fn["expand"](S_in, *exp.args[1:], **exp.kwargs)
+        def run() -> None:
+            with torch.no_grad():
+                for fn, call in todo:
+                    fn(*call.args, **call.kwargs)
+        return run
 
-    def backward() -> None:
-        with torch.no_grad():
-            fn["final_grad"](*fin.args, **fin.kwargs)
-
-    return forward, backward
+    return replay("fwd:"), replay("bwd:")
 
 
 def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors,

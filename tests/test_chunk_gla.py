@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+from cp_linattn.ops.common.chunk_h import add_decayed_state, chunk_bwd_dh, chunk_fwd_h
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.gla.chunk import chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
@@ -189,6 +189,30 @@ def test_state_kernels_with_incoming_state_and_gradient():
     expected = torch.stack([dht[n] * g[0, cu[n]:cu[n + 1]].sum(0).exp()[..., None] for n in range(2)])
     assert max_rel_err(dh0, expected) <= 1e-5
     assert dh.shape[1] == 3 and max_rel_err(dh[0, 0], dht[0]) <= 1e-6 and max_rel_err(dh[0, 2], dht[1]) <= 1e-6
+
+
+@pytest.mark.parametrize("states_dtype", [torch.float32, torch.float16])
+def test_late_state_addition_equals_rerun(states_dtype):
+    """`add_decayed_state` (GLA under CP adds the handed-over state after the local pass) gives
+    the states and gradients of a pass run from that state; fp16 h is rounded once more."""
+    T, H, K, V, scale = 150, 2, 32, 48, 0.5
+    q, k, v, g, _ = make_inputs(1, T, H, K, V, 1, torch.float32, "cpu", with_h0=False)
+    S, do = torch.randn(1, H, K, V), torch.randn(1, T, H, V)
+    gk = chunk_local_cumsum(g, 64)
+    decays = gk[0, [63, 127, T - 1]]
+    h, _ = chunk_fwd_h(k, v, gk, states_dtype=states_dtype)
+    add_decayed_state(h[0], torch.cat([torch.zeros(1, H, K), decays[:-1].cumsum(0)]), S[0])
+    h_ref, _ = chunk_fwd_h(k, v, gk, h0=S)
+    tol = 1e-6 if states_dtype == torch.float32 else 2e-3
+    assert h.dtype == states_dtype and max_rel_err(h.float(), h_ref) <= tol
+    dh, _ = chunk_bwd_dh(q, gk, do, scale)
+    add_decayed_state(dh[0], torch.cat([decays[1:].flip(0).cumsum(0).flip(0), torch.zeros(1, H, K)]), S[0])
+    dh_ref, _ = chunk_bwd_dh(q, gk, do, scale, dht=S)
+    assert max_rel_err(dh, dh_ref) <= 1e-6
+    with pytest.raises(ValueError, match=r"^decay must have shape"):
+        add_decayed_state(h[0], decays[:2], S[0])
+    with pytest.raises(ValueError, match=r"^states_dtype must be"):
+        chunk_fwd_h(k, v, gk, states_dtype=torch.int32)
 
 
 def _args(**over):

@@ -21,7 +21,7 @@ import torch
 from cp_linattn.cp.comm import all_gather_tensor, send_recv_chain
 from cp_linattn.cp.context import FLACPContext, empty_seq_ids
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h
-from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+from cp_linattn.ops.common.chunk_h import add_decayed_state
 
 CHUNK_SIZE = 64
 
@@ -111,8 +111,9 @@ def expand_h0(
 
     Row i is the user's state of global sequence `seq_ids[i]` when that sequence starts on this
     rank (`initial_state` is `[N_global, *state_shape]`, the same on every rank), and the merged
-    incoming state S_in for a first sequence that started on an earlier rank. None when every
-    row would be zero (saves the kernels a read).
+    incoming state S_in for a first sequence that started on an earlier rank (zero with S_in
+    None: the state is added later, as GLA does). None when every row would be zero (saves
+    the kernels a read).
     """
     if S_in is None and initial_state is None:
         return None
@@ -122,6 +123,8 @@ def expand_h0(
         h0 = initial_state.float()[context.seq_ids.to(initial_state.device)].clone()
     if S_in is not None:
         h0[0] = S_in.view(state_shape)
+    elif context.pre_num_ranks:
+        h0[0] = 0
     return h0
 
 
@@ -208,45 +211,75 @@ def _with_incoming_grad(dht: torch.Tensor | None, dS_in: torch.Tensor | None, co
     return dht
 
 
-def gla_incoming_state(k, v, g, gk, initial_state, context: FLACPContext):
-    """GLA forward pre-process and merge. k `[1, T, H, K]`, v `[1, T, H, V]`, g the raw log
-    gate and gk its chunk-local cumsum (fp32). Returns (S_in `[H, K, V]` or None, record).
+def _chunk_decays(gk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """fp32 `[n, H, K]`: the total log decay of each chunk of the sequence on local tokens
+    [start, end), read off the chunk-local gate cumsum gk `[1, T, H, K]` at each chunk's
+    last token."""
+    last = torch.arange(start + CHUNK_SIZE - 1, end + CHUNK_SIZE - 1, CHUNK_SIZE, device=gk.device)
+    return gk[0, last.clamp_(max=end - 1)].float()
 
-    The fragment's transition is the diagonal `exp(sum of g over it)`; its contribution is its
-    final state from the state it starts with here: the user's initial state when the sequence
-    starts on this rank, zero when it came from an earlier rank (the fold adds that part).
+
+def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None, gk: torch.Tensor,
+                             context: FLACPContext) -> BoundaryExchange:
+    """GLA forward pre-process and merge, run after the local state pass.
+
+    The local pass (`chunk_fwd_h`) starts the first local sequence from zero when it began on
+    an earlier rank; it thereby already yields this rank's message: the last fragment's
+    contribution S_ext (its final state from the state it starts with here) and, from the
+    chunk decays, its diagonal transition `exp(sum of g)`. After the exchange, the state
+    S_in entering the first sequence is added to its per-chunk states and final state in
+    place: the recurrence is linear, so `h[c] += Diag(exp(decay before chunk c)) S_in` is
+    the rerun from S_in, at the cost of one pass over those states instead of a second walk.
+
+    Args:
+        h: `[1, NT, H, K, V]` per-chunk states of the local pass (updated in place).
+        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (updated in place);
+            required when the last local sequence continues on a later rank.
+        gk: fp32 `[1, T, H, K]` chunk-local gate cumsum.
     """
-    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    T = gk.shape[1]
+    H, K, V = h.shape[2:]
     if context.post_num_ranks:
         start, _ = _last_fragment(context)
-        h0 = _user_state_of_last(initial_state, context, False)
-        _, S_ext = chunk_fwd_h(k[:, start:], v[:, start:], gk[:, start:], h0=h0, output_final_state=True,
-                               chunk_size=CHUNK_SIZE, store_chunk_states=False)
-        S_ext, M = S_ext[0], g[0, start:].float().sum(0).exp()
+        S_ext, M = ht[-1].clone(), _chunk_decays(gk, start, T).sum(0).exp()
     else:
-        S_ext, M = k.new_zeros(H, K, V, dtype=torch.float32), k.new_zeros(H, K, dtype=torch.float32)
-    return exchange_forward(S_ext, M, context)
+        S_ext, M = h.new_zeros(H, K, V, dtype=torch.float32), h.new_zeros(H, K, dtype=torch.float32)
+    S_in, record = exchange_forward(S_ext, M, context)
+    if S_in is not None:
+        decays = _chunk_decays(gk, 0, int(context.cu_seqlens_cpu[1]))
+        before = torch.cat([decays.new_zeros(1, H, K), decays[:-1].cumsum(0)])
+        add_decayed_state(h[0, :decays.shape[0]], before, S_in)
+        if ht is not None:
+            ht[0] += decays.sum(0).exp()[..., None] * S_in
+    return record
 
 
-def gla_final_state_grad(q, gk, do, scale: float, dht_global, record: BoundaryExchange):
-    """GLA backward pre-process and merge: the local dht `[num_seqs, H, K, V]` including the
-    gradient that later ranks send into the last local sequence (None if there is none).
+def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torch.Tensor,
+                            record: BoundaryExchange) -> None:
+    """GLA backward pre-process and merge, run after the local reverse pass (`chunk_bwd_dh`
+    with the last row of dht zero when that sequence continues later, and dh0).
 
-    dS_ext is the gradient leaving the first local fragment when nothing arrives from beyond
-    this rank: only the user's dht of that sequence, if it also ends here.
+    The local pass's dh0 of the first local sequence is this rank's message, the gradient
+    leaving its first fragment with none arriving from beyond this rank. The gradient dS_in
+    arriving at the end of the last local sequence is then added to that sequence's per-chunk
+    gradients (`dh[c] += Diag(exp(decay after chunk c)) dS_in`) and to its dh0, in place.
+
+    Args:
+        dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]` (required when the first
+            local sequence began on an earlier rank); gk: fp32 `[1, T, H, K]`.
     """
     context = record.context
-    dht = gather_final_state_grad(dht_global, context)
-    H, K, V = q.shape[2], q.shape[3], do.shape[3]
-    if context.pre_num_ranks:
-        end, ends_here = _first_fragment(context)
-        dht_first = dht[:1] if (ends_here and dht is not None) else None
-        _, dS_ext = chunk_bwd_dh(q[:, :end], gk[:, :end], do[:, :end], scale, dht=dht_first, need_dh0=True,
-                                 chunk_size=CHUNK_SIZE, store_chunk_grads=False)
-        dS_ext = dS_ext[0]
-    else:
-        dS_ext = q.new_zeros(H, K, V, dtype=torch.float32)
-    return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, (H, K, V), False)
+    T = gk.shape[1]
+    H, K, V = dh.shape[2:]
+    dS_ext = dh0[0].clone() if context.pre_num_ranks else dh.new_zeros(H, K, V)
+    dS_in = exchange_backward(dS_ext, record)
+    if dS_in is not None:
+        start, _ = _last_fragment(context)
+        decays = _chunk_decays(gk, start, T)
+        after = torch.cat([decays[1:].flip(0).cumsum(0).flip(0), decays.new_zeros(1, H, K)])
+        add_decayed_state(dh[0, dh.shape[1] - decays.shape[0]:], after, dS_in)
+        if dh0 is not None:
+            dh0[-1] += decays.sum(0).exp()[..., None] * dS_in
 
 
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):

@@ -271,3 +271,45 @@ def chunk_bwd_dh(
             DOT_PREC=dot_precision(q.dtype), **launch_options("chunk_state_backward"),
         )
     return dh, dh0
+
+
+@triton.jit
+def add_decayed_state_kernel(
+    x, decay, S,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), n * H)."""
+    i_v, i_k, i_ch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_ch % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+    b_decay = tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=m_k, other=0)
+    b_s = tl.load(S + i_h * K * V + state_offs, mask=m_kv, other=0)
+    p_x = x + i_ch.to(tl.int64) * K * V + state_offs
+    b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + tl.exp(b_decay)[:, None] * b_s
+    tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
+
+
+def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> None:
+    """In place `x[c] += Diag(exp decay[c]) S` for every c: the per-chunk states of a sequence
+    after the fact, once the state S entering it (or, in reverse, the gradient leaving it) is
+    known. The diagonal recurrences are linear, so this equals rerunning them from S.
+
+    Args:
+        x: `[n, H, K, V]` contiguous states (any float dtype; the sum is formed in fp32).
+        decay: fp32 `[n, H, K]`, the log decay from S's point to each state.
+        S: fp32 `[H, K, V]`.
+    """
+    n, H, K, V = x.shape
+    check_tensor("decay", decay, shape=(n, H, K), device=x.device, dtypes=(torch.float32,))
+    check_tensor("S", S, shape=(H, K, V), device=x.device, dtypes=(torch.float32,))
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (it is updated in place)")
+    BK, BV = tiles("add_decayed_state", K, V)
+    if n * H > 0:
+        add_decayed_state_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), n * H)](
+            x, decay.contiguous(), S.contiguous(), H=H, K=K, V=V, BK=BK, BV=BV,
+            **launch_options("add_decayed_state"))

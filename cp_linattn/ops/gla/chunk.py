@@ -31,7 +31,8 @@ from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precisi
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.cp.context import FLACPContext, check_cp_call
-from cp_linattn.cp.state import compress_h0, expand_h0, gla_final_state_grad, gla_incoming_state, scatter_final_state
+from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
+                                 gla_apply_incoming_state, scatter_final_state)
 from cp_linattn.ops.launch import launch_options, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
 
@@ -368,10 +369,11 @@ def chunk_gla_bwd_dqkg(
 class ChunkGLAFunction(torch.autograd.Function):
     """Autograd wrapper over the chunk kernels; inputs are validated and contiguous.
 
-    The states enter only through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`; under
-    context parallelism (`cp_context`) those are where the states handed over by the other
-    ranks come in (cp/state.py), and `initial_state` / the final state are indexed by the
-    GLOBAL sequences of the packed batch.
+    The states enter through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`. Under
+    context parallelism (`cp_context`) the state handed over by the earlier ranks (and the
+    gradient by the later ones) is added to the local passes' results once exchanged
+    (cp/state.py), and `initial_state` / the final state are indexed by the GLOBAL
+    sequences of the packed batch.
     """
 
     @staticmethod
@@ -381,16 +383,21 @@ class ChunkGLAFunction(torch.autograd.Function):
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
-        h0, record = initial_state, None
+        h0, need_ht = initial_state, output_final_state
         if cp_context is not None:
-            S_in, record = gla_incoming_state(k, v, g, gk, initial_state, cp_context)
-            h0 = expand_h0(S_in, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
+            # A sequence continued from an earlier rank starts from zero here; its incoming
+            # state is added to the states after the exchange (gla_apply_incoming_state).
+            h0 = expand_h0(None, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
+            need_ht = output_final_state or cp_context.post_num_ranks > 0
         # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
-        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=output_final_state, chunk_offsets=chunk_offsets,
+        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
                             chunk_size=CHUNK_SIZE, states_dtype=q.dtype, **varlen)
+        record = None
+        if cp_context is not None:
+            record = gla_apply_incoming_state(h, ht, gk, cp_context)
+            ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
+                if output_final_state else None
         o, A = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
-        if cp_context is not None and ht is not None:
-            ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state)
         ctx.save_for_backward(q, k, v, gk, h, A, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
@@ -405,14 +412,18 @@ class ChunkGLAFunction(torch.autograd.Function):
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         do = do.to(q.dtype).contiguous()
         dht_global = dht
+        need_dh0 = user_h0
         if cp_context is not None:
-            dht = gla_final_state_grad(q, gk, do, scale, dht, record)
-        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=user_h0,
+            dht = gather_final_state_grad(dht, cp_context)
+            need_dh0 = user_h0 or cp_context.pre_num_ranks > 0
+        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=need_dh0,
                                chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
+        if cp_context is not None:
+            gla_apply_incoming_grad(dh, dh0, gk, record)
         dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
         dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
         if cp_context is not None:
-            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global)
+            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global) if user_h0 else None
         return dq, dk, dv, dg, None, dh0, None, None, None, None
 
 
