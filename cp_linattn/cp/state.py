@@ -4,8 +4,9 @@ A rank's last local sequence may continue on later ranks; its first may have sta
 earlier ones. Over a fragment the recurrence is affine in the entering state,
 `S -> M S + S_ext`, with M `[H, K]` (GLA: the diagonal of the total gate product) or
 `[H, K, K]` (KDA: the product of the chunks' delta-rule transitions). Each rank computes
-`(S_ext, M)` of its last fragment with the op's own state kernels (ops/common), the ranks
-exchange them, and every rank folds the fragments of the earlier ranks that share its first
+`(S_ext, M)` of its last fragment (KDA: a pass of its state kernel over the fragment; GLA:
+read off its local state pass, which starts a continued sequence from zero and gets the
+incoming state added afterwards), the ranks exchange them, and every rank folds the fragments of the earlier ranks that share its first
 sequence: `S = 0; for j in prev: S = M_j S + S_ext_j`. The backward is the same fold in
 reverse time with transposed transitions: `dS = 0; for j in later (far to near):
 dS = M_j^T dS + dS_ext_j`, where dS_ext_j is the gradient leaving rank j's first fragment

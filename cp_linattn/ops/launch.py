@@ -14,7 +14,7 @@ import triton
 LAUNCH: dict[str, dict[str, int]] = {
     # Sequential state recurrences (one program per state tile walks all chunks): small
     # value tiles give more programs, which is what hides the per-chunk latency.
-    "chunk_state_forward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
+    "chunk_state_forward": dict(BK=32, BV=32, num_warps=4, num_stages=3),
     "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
     # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP.
     "add_decayed_state": dict(BK=64, BV=64, num_warps=4, num_stages=1),
@@ -22,9 +22,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "delta_rule_bwd_dhu": dict(BV=32, num_warps=4, num_stages=2),
     # Chunk-parallel GLA kernels: a V tile as wide as the head builds the intra-chunk
     # scores once per chunk instead of once per V tile.
-    "gla_fwd_o": dict(BK=64, BV=128, num_warps=8, num_stages=2),
+    "gla_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=2),
     "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
-    "gla_bwd_dqkg": dict(BK=64, BV=32, num_warps=8, num_stages=2),
+    "gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_intra_wy_fwd": dict(num_warps=2, num_stages=2),
     "kda_output": dict(BV=64, num_warps=4, num_stages=2),
     "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),

@@ -14,7 +14,10 @@ from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepar
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
-RECOMPUTED = ("gk", "w", "qg", "kg", "h", "v_new")
+# Always kept for the backward: the state pass is the sequential one, costly to redo, and h is
+# stored in the input dtype. The intra-chunk WY quantities are rebuilt unless disable_recompute.
+KEPT = ("h", "v_new")
+RECOMPUTED = ("gk", "w", "qg", "kg")
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -32,9 +35,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         kept = [saved[n] for n in RECOMPUTED] if disable_recompute else []
         normed = [qn, kn] if disable_recompute and use_qk_l2norm_in_kernel else []
-        # Under CP the backward runs from the local initial states of the forward.
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, saved["h0"], cu_seqlens, chunk_indices,
-                              chunk_offsets, saved["Aqk"], saved["Akk"], *kept, *normed)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices,
+                              chunk_offsets, saved["Aqk"], saved["Akk"], *(saved[n] for n in KEPT), *kept, *normed)
         ctx.options = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute,
                        state_v_first)
         ctx.cp = (cp_context, saved["cp_record"], None if initial_state is None else initial_state.dtype)
@@ -42,11 +44,11 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
+        (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk, h, v_new,
          *rest) = ctx.saved_tensors
         cp_context, cp_record, h0_dtype = ctx.cp
         scale, use_l2norm, use_gate, lower_bound, disable_recompute, state_v_first = ctx.options
-        saved = dict(Aqk=Aqk, Akk=Akk)
+        saved = dict(Aqk=Aqk, Akk=Akk, h=h, v_new=v_new)
         if disable_recompute:
             saved.update(zip(RECOMPUTED, rest))
         if use_l2norm:
@@ -54,8 +56,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         else:
             qn, kn = q, k
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
-            qn, kn, v, g, beta, scale, do, dht, h0, saved, use_gate, A_log, dt_bias, lower_bound,
-            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record, need_dh0=h0_dtype is not None,
+            qn, kn, v, g, beta, scale, do, dht, h0_dtype is not None, saved, use_gate, A_log, dt_bias, lower_bound,
+            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record,
         )
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht) if h0_dtype else None
@@ -137,8 +139,9 @@ def chunk_kda(
         safe_gate: with the in-kernel gate, requires `lower_bound` in [-5, 0). The kernels
             always use the exact overflow-free path (see `ops/kda/wy.py`), so this only
             validates; without the in-kernel gate it has no effect.
-        disable_recompute: keep w, u, qg, kg, h, v_new (and the normalised q, k) for the
-            backward instead of recomputing them: more memory, identical gradients.
+        disable_recompute: keep gk, w, qg, kg (and the normalised q, k) for the backward
+            instead of recomputing them: more memory, identical gradients. The states h (in
+            the input dtype) and v_new are kept in either case.
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
-from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h, chunk_span
+from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
@@ -307,7 +307,7 @@ def chunk_kda_bwd(
     scale: float,
     do: torch.Tensor,
     dht: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
+    need_dh0: bool,
     saved: dict[str, torch.Tensor],
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
@@ -318,17 +318,15 @@ def chunk_kda_bwd(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     cp_record: BoundaryExchange | None = None,
-    need_dh0: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of chunked KDA (q, k already normalised if the op normalises them).
 
-    Under CP (`cp_record` from the forward), initial_state is the LOCAL `[num_seqs, ...]`
-    initial states the forward ran with, dht the gradient of the `[N_global, ...]` final
-    state, and dh0 comes back local (the op maps it to the user's tensor). need_dh0: compute dh0
-    (default: when there is an initial state; under CP only the user's own initial state wants it,
-    not the one handed over by earlier ranks).
+    need_dh0: compute the gradient of the initial states (there is a user initial state;
+    under CP the state handed over by earlier ranks does not count). Under CP (`cp_record`
+    from the forward) dht is the gradient of the `[N_global, ...]` final state, and dh0 comes
+    back local (the op maps it to the user's tensor).
 
-    saved: at least Aqk and Akk from `chunk_kda_fwd`; with gk, w, u, qg, kg, h, v_new too
+    saved: at least Aqk, Akk, h and v_new from `chunk_kda_fwd`; with gk, w, qg, kg too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
     do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
 
@@ -338,14 +336,12 @@ def chunk_kda_bwd(
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    Aqk, Akk = saved["Aqk"], saved["Akk"]
-    if "h" in saved:
-        gk, w, qg, kg, h, v_new = (saved[n] for n in ("gk", "w", "qg", "kg", "h", "v_new"))
+    Aqk, Akk, h, v_new = (saved[n] for n in ("Aqk", "Akk", "h", "v_new"))
+    if "w" in saved:
+        gk, w, qg, kg = (saved[n] for n in ("gk", "w", "qg", "kg"))
     else:
         gk = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices)
-        w, u, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk)
-        h, v_new, _ = chunk_delta_rule_fwd_h(kg, w, u, gk, initial_state, False, cu_seqlens, chunk_indices,
-                                             chunk_offsets, CHUNK_SIZE, state_v_first)
+        w, _, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     is_varlen = cu_seqlens is not None
@@ -363,8 +359,6 @@ def chunk_kda_bwd(
         )
     if cp_record is not None:
         dht = kda_final_state_grad(qg, kg, w, gk, do, dv_o, scale, dht, cp_record, state_v_first)
-    if need_dh0 is None:
-        need_dh0 = initial_state is not None
     dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(
         qg, kg, w, gk, do, dv_o, scale, dht, need_dh0, cu_seqlens, chunk_indices,
         chunk_offsets, CHUNK_SIZE, state_v_first,
