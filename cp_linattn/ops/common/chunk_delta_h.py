@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import check_states_dtype, dot_precision
+from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
 
@@ -95,7 +95,7 @@ def delta_rule_fwd_h_kernel(
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
-            tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h.to(h.dtype.element_ty), mask=m_kv)
+            tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * HV + i_h
@@ -206,7 +206,6 @@ def chunk_delta_rule_fwd_h(
     chunk_size: int = 64,
     state_v_first: bool = False,
     store_chunk_states: bool = True,
-    states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
@@ -220,12 +219,9 @@ def chunk_delta_rule_fwd_h(
             of cu_seqlens, to skip host work.
         store_chunk_states: False when only the final states are wanted (the CP pre-process):
             h and v_new are then neither allocated nor written, and None is returned for them.
-        states_dtype: dtype of the stored h. The recurrence runs in fp32 and feeds its own
-            dot with h rounded to kg's dtype, so storing h in kg's dtype loses nothing for the
-            kernels that cast it the same way.
 
     Returns:
-        h: `[B, NT, HV, K, V]` in `states_dtype` (always K-first), h[:, c] the state entering chunk c (NT:
+        h: fp32 `[B, NT, HV, K, V]` (always K-first), h[:, c] the state entering chunk c (NT:
             chunks per row, or all chunks of the packed batch), or None;
         v_new: `[B, T, HV, V]` in u's dtype, `u - w h`, or None;
         final_state: fp32 `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) or None.
@@ -235,14 +231,13 @@ def chunk_delta_rule_fwd_h(
     check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
     check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
     check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
-    check_states_dtype(states_dtype)
     N, NT, chunk_offsets = _sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
     if initial_state is not None:
         check_tensor("initial_state", initial_state,
                      shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=kg.device)
         initial_state = initial_state.contiguous()
     kg, w, u, gk = kg.contiguous(), w.to(kg.dtype).contiguous(), u.contiguous(), gk.contiguous()
-    h = kg.new_empty(B, NT // B, HV, K, V, dtype=states_dtype) if store_chunk_states else None
+    h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_states else None
     v_new = torch.empty_like(u) if store_chunk_states else None
     final_state = None
     if output_final_state:

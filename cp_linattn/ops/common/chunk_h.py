@@ -37,11 +37,6 @@ def fp32_dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
-def check_states_dtype(states_dtype: torch.dtype) -> None:
-    if states_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"states_dtype must be torch.float32, float16 or bfloat16, got {states_dtype}")
-
-
 @triton.jit
 def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(first token, length, index of the first chunk in the h tensors) of sequence i_n."""
@@ -200,7 +195,8 @@ def chunk_fwd_h(
     V = v.shape[-1]
     check_tensor("v", v, shape=(B, T, H, None), device=k.device)
     check_tensor("gk", gk, shape=(B, T, H, K), device=k.device, dtypes=(torch.float32,))
-    check_states_dtype(states_dtype)
+    if states_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"states_dtype must be torch.float32, float16 or bfloat16, got {states_dtype}")
     N, NT, chunk_offsets = _chunk_bookkeeping(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
     if h0 is not None:
         check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)

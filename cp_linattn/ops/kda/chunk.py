@@ -14,8 +14,9 @@ from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepar
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
-# Always kept for the backward: the state pass is the sequential one, costly to redo, and h is
-# stored in the input dtype. The intra-chunk WY quantities are rebuilt unless disable_recompute.
+# Always kept for the backward: the state pass is the sequential one, costly to redo. h stays
+# fp32: with bf16 states the gate gradients under CP drifted past the bf16 test tolerance
+# (dA_log). The intra-chunk WY quantities are rebuilt unless disable_recompute.
 KEPT = ("h", "v_new")
 RECOMPUTED = ("gk", "w", "qg", "kg")
 
@@ -140,8 +141,8 @@ def chunk_kda(
             always use the exact overflow-free path (see `ops/kda/wy.py`), so this only
             validates; without the in-kernel gate it has no effect.
         disable_recompute: keep gk, w, qg, kg (and the normalised q, k) for the backward
-            instead of recomputing them: more memory, identical gradients. The states h (in
-            the input dtype) and v_new are kept in either case.
+            instead of recomputing them: more memory, identical gradients. The states h (fp32)
+            and v_new are kept in either case.
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor

@@ -208,7 +208,7 @@ def chunk_kda_fwd(
     the final state is `[N_global, ...]` with the rows of the sequences ending here.
 
     Returns o (`[B, T, HV, V]`, v's dtype), the fp32 final state or None, and the
-    intermediates (`chunk_kda_fwd_prepare`'s plus h in k's dtype, v_new and, under CP, the
+    intermediates (`chunk_kda_fwd_prepare`'s plus h, v_new and, under CP, the
     exchange record `cp_record`) for the backward.
     """
     saved = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -223,7 +223,7 @@ def chunk_kda_fwd(
         h0 = expand_h0(S_in, initial_state, cp_context, (HV, V, K) if state_v_first else (HV, K, V))
     h, v_new, final_state = chunk_delta_rule_fwd_h(
         saved["kg"], saved["w"], saved["u"], saved["gk"], h0, output_final_state,
-        cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first, states_dtype=saved["kg"].dtype,
+        cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     o = kda_output(saved["qg"], v_new, h, saved["Aqk"], scale, cu_seqlens, chunk_indices, out_dtype=v.dtype)
     if cp_context is not None and final_state is not None:
