@@ -102,18 +102,60 @@ def _close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) ->
     assert err <= tol * max(1.0, ref.abs().max().item()), f"{name}: max abs err {err:.3e}"
 
 
+def _max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float().cpu(), ref.float().cpu()
+    return (got - ref).abs().max().item() / max(1.0, ref.abs().max().item()) if ref.numel() else 0.0
+
+
+def _single_rank(op: str, case: dict) -> dict[str, torch.Tensor]:
+    """The single-rank results of a case by name (o, every gradient, the final state)."""
+    o, ht, grads, param_grads = _reference(op, case)
+    out = {"o": o, **{f"d{n}": g for n, g in grads.items()}, **{f"d{n}": g for n, g in param_grads.items()}}
+    if ht is not None:
+        out["final_state"] = ht.detach()
+    return out
+
+
+def _pieces(op: str, case: dict, per_rank: list, i: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{name: (what the ranks give together for case i, the single-rank tensor)}: per-token
+    tensors concatenate over the ranks, the per-sequence and parameter ones sum."""
+    single = _single_rank(op, case)
+    together = {}
+    for name in single:
+        if name == "final_state":
+            together[name] = sum(r[i]["ht"].cpu() for r in per_rank)
+        elif name == "o":
+            together[name] = torch.cat([r[i]["o"].cpu() for r in per_rank], 1)
+        elif name[1:] in per_rank[0][i]["grads"]:
+            together[name] = torch.cat([r[i]["grads"][name[1:]].cpu() for r in per_rank], 1)
+        else:
+            together[name] = sum(r[i]["param_grads"][name[1:]].cpu() for r in per_rank)
+    return {name: (together[name], single[name]) for name in single}
+
+
 def _check_cases(op: str, world_size: int, cases: list[dict], tol: float = TOL) -> None:
     per_rank = run_ranks(_cp_worker, world_size, op, cases, timeout=600)
     for i, case in enumerate(cases):
-        o, ht, grads, param_grads = _reference(op, case)
         label = f"{op} world={world_size} case={case}"
-        _close(f"o [{label}]", torch.cat([r[i]["o"].cpu() for r in per_rank], 1), o, tol)
-        for n, g in grads.items():
-            _close(f"d{n} [{label}]", torch.cat([r[i]["grads"][n].cpu() for r in per_rank], 1), g, tol)
-        for n, g in param_grads.items():
-            _close(f"d{n} [{label}]", sum(r[i]["param_grads"][n].cpu() for r in per_rank), g, tol)
-        if ht is not None:
-            _close(f"final_state [{label}]", sum(r[i]["ht"].cpu() for r in per_rank), ht.detach(), tol)
+        for name, (got, ref) in _pieces(op, case, per_rank, i).items():
+            _close(f"{name} [{label}]", got, ref, tol)
+
+
+def _check_cases_against_fp32(op: str, world_size: int, cases: list[dict], tol: float) -> None:
+    """For low-precision runs: CP must be as accurate as the single-rank run, both measured
+    against the fp32 single-rank run. Rounding makes CP and single-rank differ by up to the
+    sum of their errors (the reductions over ranks and the handed-over states round in other
+    places), so comparing them directly measures rounding noise as much as CP (it tripped at
+    2.7% on KDA's dA_log, a sum over every token). Each tensor passes within `tol` of the
+    fp32 run, or at most 1.5x the single-rank run's own error."""
+    per_rank = run_ranks(_cp_worker, world_size, op, cases, timeout=600)
+    for i, case in enumerate(cases):
+        label = f"{op} world={world_size} case={case}"
+        truth = _single_rank(op, dict(case, options=dict(case["options"], dtype="float32")))
+        for name, (got, single) in _pieces(op, case, per_rank, i).items():
+            err_cp, err_single = _max_err(got, truth[name]), _max_err(single, truth[name])
+            assert err_cp <= max(tol, 1.5 * err_single), \
+                f"{name} [{label}]: CP err {err_cp:.3e}, single-rank err {err_single:.3e} (vs fp32)"
 
 
 def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]:
@@ -206,4 +248,4 @@ def test_cp_on_one_gpu_bf16(op, comm):
         options.update(gva=2, gate_in_kernel=True, l2norm=True)
     cases = [dict(H=4, K=128, V=128, comm=comm, options=options, cu=cu, seed=s)
              for s, cu in enumerate([[0, 1000, 5000, 8191], [0, 8192]])]
-    _check_cases(op, 4, cases, tol=2e-2)
+    _check_cases_against_fp32(op, 4, cases, tol=2e-2)
