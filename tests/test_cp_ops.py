@@ -183,6 +183,16 @@ def test_gla_cp_gate_strengths(options):
     _check_cases("gla", 4, _cases(4, "all_gather", **options))
 
 
+@pytest.mark.parametrize("op", ["gla", "kda"])
+def test_cp_fp16_as_accurate_as_single_rank(op):
+    """The low-precision criterion of the GPU test, on the CPU in fp16 (the interpreter's
+    bf16 dots are wrong): CP against the fp32 run, no worse than the single-rank run."""
+    options = dict(dtype="float16", h0=True, ht=True)
+    if op == "kda":
+        options.update(gva=2, gate_in_kernel=True, l2norm=True)
+    _check_cases_against_fp32(op, 2, _cases(2, "all_gather", **options)[1:2], tol=2e-2)
+
+
 def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
     """Each misuse must raise on every rank, before any collective (no rank left waiting)."""
     import dataclasses
