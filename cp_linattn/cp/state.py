@@ -4,16 +4,18 @@ A rank's last local sequence may continue on later ranks; its first may have sta
 earlier ones. Over a fragment the recurrence is affine in the entering state,
 `S -> M S + S_ext`, with M `[H, K]` (GLA: the diagonal of the total gate product) or
 `[H, K, K]` (KDA: the product of the chunks' delta-rule transitions). Each rank computes
-`(S_ext, M)` of its last fragment (KDA: a pass of its state kernel over the fragment; GLA:
-read off its local state pass, which starts a continued sequence from zero and gets the
-incoming state added afterwards), the ranks exchange them, and every rank folds the fragments of the earlier ranks that share its first
+`(S_ext, M)` of its last fragment (KDA: a pass of its state kernel over the fragment;
+GLA: read off its local state pass, which starts a continued sequence from zero and gets
+the incoming state added afterwards), the ranks exchange them, and every rank folds the
+fragments of the earlier ranks that share its first
 sequence: `S = 0; for j in prev: S = M_j S + S_ext_j`. The backward is the same fold in
 reverse time with transposed transitions: `dS = 0; for j in later (far to near):
 dS = M_j^T dS + dS_ext_j`, where dS_ext_j is the gradient leaving rank j's first fragment
 with no gradient arriving from beyond rank j.
 
-Every state here is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is turned
-into `[K, V]` by the op before it gets here).
+Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
+turned into `[K, V]` by the op before it gets here); the per-chunk states GLA corrects in
+place keep their own dtype.
 """
 from __future__ import annotations
 
@@ -178,9 +180,10 @@ def gather_final_state_grad(dht_global: torch.Tensor | None, context: FLACPConte
 
 
 # ---------------------------------------------------------------------------------------
-# The op-specific pre-processes: (S_ext, M) of the last fragment and dS_ext of the first,
-# computed with the ops' own state kernels on that fragment alone (chunks restart at every
-# sequence start, so a fragment is a standalone single-sequence batch).
+# The op-specific pre-processes: (S_ext, M) of the last fragment and dS_ext of the first.
+# KDA computes them with its state kernels on that fragment alone (chunks restart at every
+# sequence start, so a fragment is a standalone single-sequence batch); GLA reads them off
+# its local passes and corrects those passes afterwards.
 
 
 def _last_fragment(context: FLACPContext) -> tuple[int, bool]:

@@ -5,21 +5,22 @@ Per chunk of BT = 64 tokens, with b the chunk-local cumsum of g and h the state 
     o_t = scale * (q_t * exp b_t)^T h + sum_{s <= t in chunk} A_ts v_s,
     A_ts = scale * sum_k q_tk k_sk exp(b_tk - b_sk).
 
-The output kernel builds A in registers, in 16-row blocks, and stores it (scaled, in the
-input dtype: exactly the operand of its dot) for the dv kernel. For the block of rows [r, r + 16) and the columns before r the gate difference is split at
-b_r: `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
-tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each
-block's middle row when the gates allow it (cp_linattn/ops/common/intra.py checks the span at
-run time); otherwise exp(b_t - b_s) is taken pair by pair (one key column per step), which is
+The output kernel builds A in registers, in 16-row blocks, and stores it (scaled, in the input
+dtype: exactly the operand of its dot) for the dv kernel. For the block of rows [r, r + 16)
+and the columns before r the gate difference is split at b_r:
+`exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
+tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each block's
+middle row when the gates allow it (cp_linattn/ops/common/intra.py checks the span at run
+time); otherwise exp(b_t - b_s) is taken pair by pair (one key column per step), which is
 exact for any decay.
 
 Forward: gate cumsum, `chunk_fwd_h` (states, stored in the input dtype), output kernel.
 Backward: `chunk_bwd_dh`, a dv kernel (from the stored A) and a dq/dk/dg kernel (from the
 stored states). Keeping h and A costs `NT * H * K * V + T * H * 64` elements of the input
-dtype per layer, and saves a second state recurrence and a second build of A. The log-gate gradient uses
-`dL/db_t = q_t dq_t - k_t dk_t` for every token, and for the chunk's total decay b_last
-(which every g of the chunk feeds) `dL/db_last = sum_v (h_next * dh)`, h_next the state leaving
-the chunk; hence `dg = reverse_cumsum_in_chunk(q dq - k dk) + dL/db_last`.
+dtype per layer, and saves a second state recurrence and a second build of A. The log-gate
+gradient uses `dL/db_t = q_t dq_t - k_t dk_t` for every token, and for the chunk's total decay
+b_last (which every g of the chunk feeds) `dL/db_last = sum_v (h_next * dh)`, h_next the state
+leaving the chunk; hence `dg = reverse_cumsum_in_chunk(q dq - k dk) + dL/db_last`.
 """
 from __future__ import annotations
 
