@@ -76,7 +76,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 import triton.testing
-from torch.profiler import ProfilerActivity, profile
 
 # Importing fake_pg registers torch's "fake" process-group backend (a single process that
 # believes it is rank r of D).
@@ -91,6 +90,7 @@ import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd  # noqa: E402
 import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd  # noqa: E402
 from cp_linattn import build_cp_context, chunk_gla, chunk_kda  # noqa: E402
 from cp_linattn.cp import FLACPContext, shard  # noqa: E402
+from tune_launch import profile_kernels  # noqa: E402  (scripts/ is on the path: it holds this file)
 
 TARGET_PCT = 10.0
 CPU_REPS = 2  # the interpreter is slow and its timings mean nothing beyond "it runs"
@@ -199,12 +199,7 @@ def kernel_ms(fn: Callable[[], object], reps: int = 5) -> float | None:
     if not torch.cuda.is_available():
         return None
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / 1e3 / reps
+    return sum(ms for _, ms, _ in profile_kernels(fn, reps))
 
 
 def _fwd(spec: OpSpec, x: Tensors, **kw) -> Callable[[], None]:

@@ -51,11 +51,9 @@ def time_fwd_bwd(op: str, T: int) -> float:
     return triton.testing.do_bench(warm_fwd_bwd_step(op, T), warmup=5, rep=40, return_mode="median")
 
 
-def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
-    """(kernel, CUDA ms per fwd+bwd, calls per fwd+bwd) sorted by time."""
-    step = warm_fwd_bwd_step(op, T)
+def profile_kernels(step: Callable[[], object], reps: int = 5) -> list[tuple[str, float, int]]:
+    """(kernel, CUDA ms per call, launches per call) of a warm callable, sorted by time."""
     torch.cuda.synchronize()
-    reps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             step()
@@ -63,6 +61,11 @@ def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
     rows = [(e.key, e.device_time_total / 1e3 / reps, e.count // reps) for e in prof.key_averages()
             if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
+    """(kernel, CUDA ms per fwd+bwd, calls per fwd+bwd) sorted by time."""
+    return profile_kernels(warm_fwd_bwd_step(op, T))
 
 
 def print_profile(title: str, rows: list[tuple[str, float, int]]) -> None:

@@ -243,14 +243,16 @@ def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None, gk: torch
     """
     T = gk.shape[1]
     H, K, V = h.shape[2:]
+    decays = _chunk_decays(gk, 0, int(context.cu_seqlens_cpu[1])) if context.pre_num_ranks else None
     if context.post_num_ranks:
         start, _ = _last_fragment(context)
-        S_ext, M = ht[-1].clone(), _chunk_decays(gk, start, T).sum(0).exp()
+        # With one local sequence the last fragment is the first one: its decays are at hand.
+        last = decays if decays is not None and context.num_seqs == 1 else _chunk_decays(gk, start, T)
+        S_ext, M = ht[-1].clone(), last.sum(0).exp()
     else:
         S_ext, M = h.new_zeros(H, K, V, dtype=torch.float32), h.new_zeros(H, K, dtype=torch.float32)
     S_in, record = exchange_forward(S_ext, M, context)
     if S_in is not None:
-        decays = _chunk_decays(gk, 0, int(context.cu_seqlens_cpu[1]))
         before = torch.cat([decays.new_zeros(1, H, K), decays[:-1].cumsum(0)])
         add_decayed_state(h[0, :decays.shape[0]], before, S_in)
         if ht is not None:

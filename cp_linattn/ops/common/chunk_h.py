@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
+from cp_linattn.ops.utils import check_option, check_tensor, prepare_chunk_offsets
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -195,8 +195,7 @@ def chunk_fwd_h(
     V = v.shape[-1]
     check_tensor("v", v, shape=(B, T, H, None), device=k.device)
     check_tensor("gk", gk, shape=(B, T, H, K), device=k.device, dtypes=(torch.float32,))
-    if states_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"states_dtype must be torch.float32, float16 or bfloat16, got {states_dtype}")
+    check_option("states_dtype", states_dtype, (torch.float32, torch.float16, torch.bfloat16))
     N, NT, chunk_offsets = _chunk_bookkeeping(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
     if h0 is not None:
         check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)
