@@ -25,7 +25,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "gla_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=2),
     "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
     "gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
-    "kda_intra_wy_fwd": dict(num_warps=2, num_stages=2),
+    "kda_intra_wy_fwd": dict(num_warps=4, num_stages=2),
     "kda_output": dict(BV=64, num_warps=4, num_stages=2),
     "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
     "kda_bwd_wy_dqkg": dict(num_warps=8, num_stages=2),

@@ -12,9 +12,11 @@ so that with h the state entering the chunk, the chunk's new values are `v_new =
 (`cp_linattn.ops.common.chunk_delta_h`) and its output `o = scale * qg h + Aqk v_new`.
 
 Overflow: exp(gk_i - gk_j) <= 1 for i >= j, but exp(gk_i) exp(-gk_j) is not usable with
-strong decay. Rows come in sub-chunks of BC = 16; for the columns before sub-chunk I the
-difference is split at the gate of I's first row r: `exp(gk_i - gk_r) * exp(gk_r - gk_j)`,
-both factors <= 1, so a tensor-core dot handles the off-diagonal blocks. The diagonal
+strong decay. Rows come in sub-chunks of BC = 16; for a row i of sub-chunk I (first row f) and
+a column j of an earlier sub-chunk J (last row l) the difference is split in three,
+`exp(gk_i - gk_f) * exp(gk_f - gk_l) * exp(gk_l - gk_j)`, every factor <= 1, so a tensor-core
+dot handles each of the six off-diagonal 16 x 16 blocks; the first and last factors are formed
+once per sub-chunk, the middle one is a K-vector per pair. The diagonal
 16 x 16 blocks split at their middle row and take a dot too when the gates' span allows it
 (checked at run time per block, cp_linattn/ops/common/intra.py: log-sigmoid gates and the
 safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly, one
@@ -39,15 +41,6 @@ SUB_CHUNK_SIZE = 16
 
 
 @triton.jit
-def load_sub_block(a_ptr, r0, c0, chunk_len, stride, BC: tl.constexpr):
-    """[BC, BC] fp32 block at chunk-local (r0, c0) of a chunk's [BT, BT] matrix; rows past
-    the chunk's end read as 0."""
-    o = tl.arange(0, BC)
-    m = ((r0 + o) < chunk_len)[:, None] & (o < BC)[None, :]
-    return tl.load(a_ptr + (r0 + o)[:, None] * stride + c0 + o[None, :], mask=m, other=0).to(tl.float32)
-
-
-@triton.jit
 def store_sub_block(a_ptr, r0, c0, b_x, chunk_len, stride, BC: tl.constexpr):
     o = tl.arange(0, BC)
     m = ((r0 + o) < chunk_len)[:, None] & (o < BC)[None, :]
@@ -68,15 +61,93 @@ def invert_unit_lower_sub_block(a_ptr, r0, chunk_len, stride, BC: tl.constexpr):
 
 
 @triton.jit
+def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.constexpr):
+    """The four [BC, BC] blocks of rows r0..r0+BC of a chunk's [4 BC, 4 BC] matrix."""
+    store_sub_block(a_ptr, r0, 0, b_0, chunk_len, stride, BC)
+    store_sub_block(a_ptr, r0, BC, b_1, chunk_len, stride, BC)
+    store_sub_block(a_ptr, r0, 2 * BC, b_2, chunk_len, stride, BC)
+    store_sub_block(a_ptr, r0, 3 * BC, b_3, chunk_len, stride, BC)
+
+
+@triton.jit
+def sub_chunk_factors(
+    q, k, gk, chunk_row0, r0, chunk_len, i_h, i_hv, o_k, m_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
+):
+    """One K tile of the sub-chunk of rows r0..r0+BC (chunk-local) of a chunk starting at token
+    chunk_row0, with gf / gl the gate at its first / last row:
+
+    - qf = q exp(gk - gf), kf = k exp(gk - gf) (fp32; rows against the first row, <= 1),
+    - kl = k exp(gl - gk) (k's dtype; the last row against each row, <= 1),
+    - gf, gl ([BK] fp32),
+    - its diagonal [BC, BC] blocks of q.k and k.k scores (unmasked above the diagonal).
+
+    A later sub-chunk i pairs with this one (j) through exp(gf_i - gl_j) <= 1, so every factor
+    of an off-diagonal block is at most 1. The diagonal block is split at its middle row when
+    the gates' span allows it (`within_span`), else formed pair by pair, exactly.
+    """
+    dtype = k.dtype.element_ty
+    o_r = r0 + tl.arange(0, BC)
+    m_r = o_r < chunk_len
+    m_rk = m_r[:, None] & m_k[None, :]
+    p_qk = ((chunk_row0 + o_r) * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_qk, mask=m_rk, other=0).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m_rk, other=0).to(tl.float32)
+    b_g = tl.load(gk + ((chunk_row0 + o_r) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_rk, other=0)
+    b_gf = tl.load(gk + ((chunk_row0 + tl.minimum(r0, chunk_len - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)
+    b_gl = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC - 1, chunk_len - 1)) * HV + i_hv) * K + o_k,
+                   mask=m_k, other=0)
+    b_gm = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC // 2, chunk_len - 1)) * HV + i_hv) * K + o_k,
+                   mask=m_k, other=0)
+    # masking the exponents (not the products) keeps padded rows from overflowing
+    b_ef = tl.exp(tl.where(m_rk, b_g - b_gf[None, :], float("-inf")))
+    b_kl = (b_k * tl.exp(tl.where(m_rk, b_gl[None, :] - b_g, float("-inf")))).to(dtype)
+    b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
+    if within_span(b_rel, SPAN_LIMIT):
+        b_em = tl.exp(b_rel)
+        b_kt = tl.trans((b_k * tl.exp(-b_rel)).to(dtype))
+        b_sq += tl.dot((b_q * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
+        b_sk += tl.dot((b_k * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
+    else:
+        o_b = tl.arange(0, BC)
+        for j in range(BC):
+            c = r0 + j
+            m_j = m_k & (c < chunk_len)
+            b_kj = tl.load(k + ((chunk_row0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
+            b_gj = tl.load(gk + ((chunk_row0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
+            b_kje = b_kj[None, :] * tl.exp(
+                tl.where(((o_r >= c) & m_r)[:, None] & m_k[None, :], b_g - b_gj[None, :], float("-inf")))
+            m_col = (o_b == j)[None, :]
+            b_sq += tl.where(m_col, tl.sum(b_q * b_kje, axis=1)[:, None], 0)
+            b_sk += tl.where(m_col, tl.sum(b_k * b_kje, axis=1)[:, None], 0)
+    return b_q * b_ef, b_k * b_ef, b_kl, b_gf, b_gl, b_sq, b_sk
+
+
+@triton.jit
+def off_diagonal_scores(b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PREC: tl.constexpr):
+    """The [BC, BC] q.k and k.k scores of rows of sub-chunk i against the columns of an
+    earlier sub-chunk j, from `sub_chunk_factors` of each (exp(gf_i - gl_j) <= 1)."""
+    b_s = tl.exp(b_gf - b_gl)[None, :]
+    b_klt = tl.trans(b_kl)
+    return (tl.dot((b_qf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC),
+            tl.dot((b_kf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC))
+
+
+@triton.jit
 def kda_intra_wy_fwd_kernel(
     q, k, v, gk, beta, Aqk, Akk, w, u, qg, kg,
     cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    COMPUTE_A: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    COMPUTE_A: tl.constexpr, COMPUTE_U: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
 ):
-    """One (chunk, value head): Aqk and A = (I + Akk)^-1 (unless given), then w, u, qg, kg.
+    """One (chunk, value head): Aqk and A = (I + Akk)^-1 (unless given), then w, u (unless
+    not COMPUTE_U), qg, kg.
 
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; gk: fp32 `[B, T, HV, K]`; beta: `[B, T, HV]`;
     Aqk, Akk: fp32 `[B, T, HV, BT]` (row t holds its chunk-local columns). Grid (NT, B * HV).
@@ -98,74 +169,79 @@ def kda_intra_wy_fwd_kernel(
     b_beta = tl.load(beta + hv_rows, mask=m_c, other=0).to(tl.float32)
 
     if COMPUTE_A:
-        for i_i in tl.static_range(BT // BC):
-            o_i = i_i * BC + tl.arange(0, BC)
-            m_i = o_i < chunk_len
-            i_ref = tl.minimum(i_i * BC, chunk_len - 1)
-            i_mid = tl.minimum(i_i * BC + BC // 2, chunk_len - 1)
-            b_aqk = tl.zeros([BC, BT], dtype=tl.float32)
-            b_akk = tl.zeros([BC, BT], dtype=tl.float32)
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_ik = m_i[:, None] & m_k[None, :]
-                i_qk = (bos + t0 + o_i) * H + i_h
-                i_hv_rows = (bos + t0 + o_i) * HV + i_hv
-                b_qi = tl.load(q + i_qk[:, None] * K + o_k[None, :], mask=m_ik, other=0).to(tl.float32)
-                b_ki = tl.load(k + i_qk[:, None] * K + o_k[None, :], mask=m_ik, other=0).to(tl.float32)
-                b_gi = tl.load(gk + i_hv_rows[:, None] * K + o_k[None, :], mask=m_ik, other=0)
-                b_gm = tl.load(gk + ((bos + t0 + i_mid) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-                b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
-                diagonal_by_dot = within_span(b_rel, SPAN_LIMIT)
-                # The key tile: columns before the sub-chunk scaled to its first row (factor
-                # <= 1), its own columns to its middle row when the diagonal block takes the dot.
-                m_before = (o_c < i_i * BC) & m_c
-                m_block = (o_c >= i_i * BC) & (o_c < i_i * BC + BC) & m_c & diagonal_by_dot
-                m_ck = (m_before | m_block)[:, None] & m_k[None, :]
-                b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
-                b_gc = tl.load(gk + hv_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0)
-                b_gr = tl.load(gk + ((bos + t0 + i_ref) * HV + i_hv) * K + o_k, mask=m_k, other=0)
-                b_ref = tl.where(m_before[:, None], b_gr[None, :], b_gm[None, :])
-                # masking the exponent (not the product) keeps padded rows from overflowing
-                b_kc = b_kc * tl.exp(tl.where(m_ck, b_ref - b_gc, float("-inf")))
-                if i_i > 0:
-                    b_ei = tl.exp(tl.where(m_ik, b_gi - b_gr[None, :], float("-inf")))
-                    b_kct = tl.trans(tl.where(m_before[:, None], b_kc, 0).to(dtype))
-                    b_aqk += tl.dot((b_qi * b_ei).to(dtype), b_kct, input_precision=DOT_PREC)
-                    b_akk += tl.dot((b_ki * b_ei).to(dtype), b_kct, input_precision=DOT_PREC)
-                if diagonal_by_dot:
-                    b_em = tl.exp(b_rel)
-                    b_kct = tl.trans(tl.where(m_block[:, None], b_kc, 0).to(dtype))
-                    b_sq = tl.dot((b_qi * b_em).to(dtype), b_kct, input_precision=DOT_PREC)
-                    b_sk = tl.dot((b_ki * b_em).to(dtype), b_kct, input_precision=DOT_PREC)
-                    b_aqk += tl.where(o_c[None, :] <= o_i[:, None], b_sq, 0)
-                    b_akk += tl.where(o_c[None, :] < o_i[:, None], b_sk, 0)
-                else:
-                    for j in range(BC):
-                        c = i_i * BC + j
-                        m_j = m_k & (c < chunk_len)
-                        b_kj = tl.load(k + ((bos + t0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
-                        b_gj = tl.load(gk + ((bos + t0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
-                        m_pair = (o_i >= c) & m_i
-                        b_kje = b_kj[None, :] * tl.exp(
-                            tl.where(m_pair[:, None] & m_k[None, :], b_gi - b_gj[None, :], float("-inf")))
-                        m_col = (o_c == c)[None, :]
-                        b_aqk += tl.where(m_col, tl.sum(b_qi * b_kje, axis=1)[:, None], 0)
-                        b_akk += tl.where(m_col & (o_i > c)[:, None], tl.sum(b_ki * b_kje, axis=1)[:, None], 0)
-            b_beta_i = tl.load(beta + (bos + t0 + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
-            m_store = m_i[:, None] & (o_c < BT)[None, :]
-            p_rows = a_off + o_i[:, None] * a_stride + o_c[None, :]
-            tl.store(Aqk + p_rows, b_aqk * scale, mask=m_store)
-            tl.store(Akk + p_rows, b_akk * b_beta_i[:, None], mask=m_store)
-        # the blocks below are read back by other threads of this program
-        tl.debug_barrier()
+        tl.static_assert(BT == 4 * BC, "the block merge below is written for 4 sub-chunks")
+        chunk_row0 = bos + t0
+        b_aqk_00 = tl.zeros([BC, BC], dtype=tl.float32)
+        b_aqk_11, b_aqk_22, b_aqk_33 = b_aqk_00, b_aqk_00, b_aqk_00
+        b_aqk_10, b_aqk_20, b_aqk_21, b_aqk_30, b_aqk_31, b_aqk_32 = b_aqk_00, b_aqk_00, b_aqk_00, b_aqk_00, \
+            b_aqk_00, b_aqk_00
+        b_akk_00, b_akk_11, b_akk_22, b_akk_33 = b_aqk_00, b_aqk_00, b_aqk_00, b_aqk_00
+        b_akk_10, b_akk_20, b_akk_21, b_akk_30, b_akk_31, b_akk_32 = b_aqk_00, b_aqk_00, b_aqk_00, b_aqk_00, \
+            b_aqk_00, b_aqk_00
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_qf0, b_kf0, b_kl0, b_gf0, b_gl0, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_00 += b_sq
+            b_akk_00 += b_sk
+            b_qf1, b_kf1, b_kl1, b_gf1, b_gl1, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_11 += b_sq
+            b_akk_11 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_10 += b_sq
+            b_akk_10 += b_sk
+            b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_22 += b_sq
+            b_akk_22 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_20 += b_sq
+            b_akk_20 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PREC)
+            b_aqk_21 += b_sq
+            b_akk_21 += b_sk
+            b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_33 += b_sq
+            b_akk_33 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_30 += b_sq
+            b_akk_30 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PREC)
+            b_aqk_31 += b_sq
+            b_akk_31 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PREC)
+            b_aqk_32 += b_sq
+            b_akk_32 += b_sk
+        o_b = tl.arange(0, BC)
+        b_0 = tl.zeros([BC, BC], dtype=tl.float32)
+        with_diag = o_b[:, None] >= o_b[None, :]
+        strict = o_b[:, None] > o_b[None, :]
+        a_ptr = Aqk + a_off
+        store_block_row(a_ptr, 0, tl.where(with_diag, b_aqk_00, 0) * scale, b_0, b_0, b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, BC, b_aqk_10 * scale, tl.where(with_diag, b_aqk_11, 0) * scale, b_0, b_0,
+                        chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 2 * BC, b_aqk_20 * scale, b_aqk_21 * scale, tl.where(with_diag, b_aqk_22, 0) * scale,
+                        b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 3 * BC, b_aqk_30 * scale, b_aqk_31 * scale, b_aqk_32 * scale,
+                        tl.where(with_diag, b_aqk_33, 0) * scale, chunk_len, a_stride, BC)
+        # Akk rows take their beta: L = beta_i k_i . k_j exp(gk_i - gk_j), strictly lower
+        beta_rows = (chunk_row0 + o_b) * HV + i_hv
+        b_b0 = tl.load(beta + beta_rows, mask=o_b < chunk_len, other=0).to(tl.float32)[:, None]
+        b_b1 = tl.load(beta + beta_rows + BC * HV, mask=o_b + BC < chunk_len, other=0).to(tl.float32)[:, None]
+        b_b2 = tl.load(beta + beta_rows + 2 * BC * HV, mask=o_b + 2 * BC < chunk_len, other=0).to(tl.float32)[:, None]
+        b_b3 = tl.load(beta + beta_rows + 3 * BC * HV, mask=o_b + 3 * BC < chunk_len, other=0).to(tl.float32)[:, None]
+        # The diagonal blocks go through memory: their inversion reads them row by row.
         a_ptr = Akk + a_off
-        b_l10 = load_sub_block(a_ptr, BC, 0, chunk_len, a_stride, BC)
-        b_l20 = load_sub_block(a_ptr, 2 * BC, 0, chunk_len, a_stride, BC)
-        b_l21 = load_sub_block(a_ptr, 2 * BC, BC, chunk_len, a_stride, BC)
-        b_l30 = load_sub_block(a_ptr, 3 * BC, 0, chunk_len, a_stride, BC)
-        b_l31 = load_sub_block(a_ptr, 3 * BC, BC, chunk_len, a_stride, BC)
-        b_l32 = load_sub_block(a_ptr, 3 * BC, 2 * BC, chunk_len, a_stride, BC)
+        store_sub_block(a_ptr, 0, 0, tl.where(strict, b_akk_00, 0) * b_b0, chunk_len, a_stride, BC)
+        store_sub_block(a_ptr, BC, BC, tl.where(strict, b_akk_11, 0) * b_b1, chunk_len, a_stride, BC)
+        store_sub_block(a_ptr, 2 * BC, 2 * BC, tl.where(strict, b_akk_22, 0) * b_b2, chunk_len, a_stride, BC)
+        store_sub_block(a_ptr, 3 * BC, 3 * BC, tl.where(strict, b_akk_33, 0) * b_b3, chunk_len, a_stride, BC)
+        b_l10, b_l20, b_l21 = b_akk_10 * b_b1, b_akk_20 * b_b2, b_akk_21 * b_b2
+        b_l30, b_l31, b_l32 = b_akk_30 * b_b3, b_akk_31 * b_b3, b_akk_32 * b_b3
+        tl.debug_barrier()
         b_x0 = invert_unit_lower_sub_block(a_ptr, 0, chunk_len, a_stride, BC)
         b_x1 = invert_unit_lower_sub_block(a_ptr, BC, chunk_len, a_stride, BC)
         b_x2 = invert_unit_lower_sub_block(a_ptr, 2 * BC, chunk_len, a_stride, BC)
@@ -182,16 +258,10 @@ def kda_intra_wy_fwd_kernel(
                         + tl.dot(b_l31, b_x10, input_precision=DOT_PREC)
                         + tl.dot(b_l32, b_x20, input_precision=DOT_PREC), input_precision=DOT_PREC)
         tl.debug_barrier()
-        store_sub_block(a_ptr, 0, 0, b_x0, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, BC, 0, b_x10, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, BC, BC, b_x1, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 2 * BC, 0, b_x20, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 2 * BC, BC, b_x21, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 2 * BC, 2 * BC, b_x2, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 3 * BC, 0, b_x30, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 3 * BC, BC, b_x31, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 3 * BC, 2 * BC, b_x32, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 3 * BC, 3 * BC, b_x3, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 0, b_x0, b_0, b_0, b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, BC, b_x10, b_x1, b_0, b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 2 * BC, b_x20, b_x21, b_x2, b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 3 * BC, b_x30, b_x31, b_x32, b_x3, chunk_len, a_stride, BC)
         tl.debug_barrier()
 
     m_cc = m_c[:, None] & (o_c < BT)[None, :]
@@ -212,13 +282,14 @@ def kda_intra_wy_fwd_kernel(
         tl.store(qg + p_out, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_ck)
         b_kg = b_k * tl.exp(tl.where(m_ck, b_g_last[None, :] - b_g, float("-inf")))
         tl.store(kg + p_out, b_kg.to(kg.dtype.element_ty), mask=m_ck)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_cv = m_c[:, None] & (o_v < V)[None, :]
-        p_v = hv_rows[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
-        b_u = tl.dot(b_a, (b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
-        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_cv)
+    if COMPUTE_U:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_cv = m_c[:, None] & (o_v < V)[None, :]
+            p_v = hv_rows[:, None] * V + o_v[None, :]
+            b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
+            b_u = tl.dot(b_a, (b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+            tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_cv)
 
 
 def head_block_size(D: int) -> int:
@@ -238,7 +309,8 @@ def kda_intra_wy_fwd(
     Aqk: torch.Tensor | None = None,
     Akk: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    compute_u: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """WY quantities of every chunk.
 
     Args:
@@ -247,6 +319,7 @@ def kda_intra_wy_fwd(
         chunk_indices: `prepare_chunk_indices(cu_seqlens, 64)` when varlen.
         Aqk, Akk: fp32 `[B, T, HV, 64]` from an earlier call, to skip rebuilding them
             (the backward's recompute); both or neither.
+        compute_u: False skips u (None is returned): the backward's recompute has no use for it.
 
     Returns:
         w `[B, T, HV, K]`, u `[B, T, HV, V]`, qg, kg `[B, T, HV, K]` (all in k's dtype),
@@ -263,14 +336,14 @@ def kda_intra_wy_fwd(
     w = k.new_empty(B, T, HV, K)
     qg = k.new_empty(B, T, HV, K)
     kg = k.new_empty(B, T, HV, K)
-    u = torch.empty_like(v)
+    u = torch.empty_like(v) if compute_u else None
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
         kda_intra_wy_fwd_kernel[(NT, B * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(),
             Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=head_block_size(K), BV=head_block_size(V),
-            COMPUTE_A=compute_a, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+            COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
             SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_intra_wy_fwd"),
         )
