@@ -1,7 +1,8 @@
 """chunk_kda against the fp32 token-by-token reference: outputs, final states, every gradient.
 
-CPU runs use the Triton interpreter in fp32 with small shapes (it is slow); lengths are never
-multiples of the chunk size (64). GPU tests (bf16, long sequences) are marked requires_cuda.
+CPU runs use the Triton interpreter in fp32 (and once fp16) with small shapes (it is slow);
+lengths are never multiples of the chunk size (64). GPU tests (bf16, long sequences) are
+marked requires_cuda.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h
-from cp_linattn.ops.kda.chunk import chunk_kda
+from cp_linattn.ops.kda.chunk import ChunkKDAFunction, chunk_kda
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd_prepare
 from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
 from cp_linattn.ops.utils import prepare_chunk_indices
@@ -180,6 +181,50 @@ def test_disable_recompute_is_identical():
     for name in a:
         assert torch.equal(a[name][0], b[name][0]), name
     assert_close(a)
+
+
+@pytest.mark.parametrize("HV, gate_in_kernel, l2", [(1, False, False), (2, True, False), (1, True, True)])
+def test_fp16_gradients_in_input_dtype(monkeypatch, HV, gate_in_kernel, l2):
+    """fp16 inputs: the backward returns every gradient in its input's dtype as the kernels
+    wrote it (no cast after them), close to the fp32 reference. Autograd would silently cast
+    a gradient of the wrong dtype, so what `backward` itself returns is checked."""
+    returned = []
+    backward = ChunkKDAFunction.backward
+
+    def recording_backward(ctx, *grads):
+        returned.append(backward(ctx, *grads))
+        return returned[-1]
+
+    monkeypatch.setattr(ChunkKDAFunction, "backward", staticmethod(recording_backward))
+    inp = make_inputs(T=70, HV=HV, gate="raw" if gate_in_kernel else "log", normalise_k=not l2,
+                      dtype=torch.float16)
+    res = run_both(inp, gate_in_kernel=gate_in_kernel, l2=l2)
+    # backward's gradients in the order of forward's arguments
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    for name, grad in zip(names, returned[0]):
+        assert (grad is None) == ("d" + name not in res), name
+        if grad is not None:
+            assert grad.dtype == inp[name].dtype, f"d{name}: {grad.dtype}, input {inp[name].dtype}"
+    # fp16 operands: measured up to 1.4e-3; dA_log and ddt_bias, sums of T * K per-token terms
+    # that partly cancel, up to 7e-3
+    param_grads = {n: res.pop(n) for n in ("dA_log", "ddt_bias") if n in res}
+    assert_close(res, rel=5e-3)
+    assert_close(param_grads, rel=2e-2)
+
+
+def test_in_kernel_gate_accepts_a_strided_gate():
+    """A non-contiguous raw gate (a transposed view) gives the same output and gate gradient
+    as its contiguous copy (the gate kernels once wrote with g's strides but flat offsets)."""
+    inp = make_inputs(T=40, HV=2, gate="raw")
+    out = []
+    for g in (inp["g"].transpose(-1, -2).contiguous().transpose(-1, -2), inp["g"].clone()):
+        assert g.is_contiguous() == (len(out) == 1)
+        g.requires_grad_(True)
+        o, _ = chunk_kda(inp["q"], inp["k"], inp["v"], g, inp["beta"], use_gate_in_kernel=True,
+                         A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+        o.square().sum().backward()
+        out.append((o.detach(), g.grad))
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
 
 
 def test_short_sequence():

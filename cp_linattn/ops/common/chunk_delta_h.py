@@ -284,7 +284,10 @@ def chunk_delta_rule_bwd_dhu(
         dh: fp32 `[B, NT, HV, K, V]`, dh[:, c] the gradient w.r.t. the state LEAVING chunk c
             (from all later outputs and dht), K-first;
         dh0: fp32 gradient of the initial states (layout as the states) or None;
-        dv2: fp32 `[B, T, HV, V]`, the total gradient of v_new (`dv + kg dh`).
+        dv2: `[B, T, HV, V]` in qg's dtype, the total gradient of v_new (`dv + kg dh`),
+            summed in fp32 and rounded once on store: its consumer (KDA's
+            `kda_bwd_wy_dqkg_kernel`) rounds it to that dtype for every dot anyway, and a bf16
+            dv2 halves its traffic (fp32 inputs keep it fp32).
         With `store_chunk_grads=False` (only dh0 wanted: the CP pre-process) dh and dv2 are
         neither allocated nor written, and None is returned for them.
     """
@@ -301,7 +304,7 @@ def chunk_delta_rule_bwd_dhu(
     qg, kg, w = qg.contiguous(), kg.to(qg.dtype).contiguous(), w.to(qg.dtype).contiguous()
     gk, do, dv = gk.float().contiguous(), do.contiguous(), dv.contiguous()
     dh = qg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_grads else None
-    dv2 = torch.empty_like(dv, dtype=torch.float32) if store_chunk_grads else None
+    dv2 = torch.empty_like(dv, dtype=qg.dtype) if store_chunk_grads else None
     dh0 = None
     if need_dh0:
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)

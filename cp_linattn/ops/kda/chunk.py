@@ -57,9 +57,12 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn = rest[len(RECOMPUTED):] if disable_recompute else (l2norm_fwd(q), l2norm_fwd(k))
         else:
             qn, kn = q, k
+        # The kernels write every gradient in its input's dtype; dq, dk stay fp32 when the
+        # l2norm backward (fp32 math, q's / k's dtype out) consumes them.
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, scale, do, dht, h0_dtype is not None, saved, use_gate, A_log, dt_bias, lower_bound,
             state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record,
+            dqk_dtype=torch.float32 if use_l2norm else q.dtype,
         )
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht) if h0_dtype else None
@@ -67,8 +70,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             dh0 = dh0.to(h0_dtype)
         if use_l2norm:
             dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dA_log,
-                ddt_bias, dh0, None, None, None, None, None, None, None, None, None, None)
+        return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
+                None)
 
 
 def _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound) -> None:

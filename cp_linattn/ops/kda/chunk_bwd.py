@@ -19,6 +19,11 @@ of the state leaving the chunk, dv2 the total gradient of v_new):
    middle row when the gate span allows it, else exact pairs, as in the forward).
 5. dg = reverse chunk-local cumsum of dgk (the gk are cumsums of g), then the in-kernel
    gate's backward if any; dq, dk are summed over each GVA group.
+
+Steps 3 and 4 accumulate dq, dk, dg, dbeta in fp32; the kernel that completes a gradient
+writes it in its input's dtype (dv in step 3, dq, dk, dbeta in step 4, dg in step 5), so no
+separate cast kernel runs. dv2 is stored in the inputs' dtype: step 3 rounds it to that for
+every dot anyway.
 """
 from __future__ import annotations
 
@@ -80,7 +85,9 @@ def kda_bwd_wy_dqkg_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Step 3 of the module docstring for one (chunk, value head); grid (NT, B * HV).
-    Writes dq, dk, dg `[B, T, HV, K]`, dv `[B, T, HV, V]`, dbeta, dL (all fp32)."""
+    Reads dv2 `[B, T, HV, V]` in k's dtype. Writes the final dv `[B, T, HV, V]` in dv's dtype;
+    for `kda_bwd_intra_kernel`, the fp32 partials dq, dk, dg `[B, T, HV, K]`, dbeta `[B, T, HV]`
+    that it completes and dL fp32 `[B, T, HV, BT]`."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -120,17 +127,17 @@ def kda_bwd_wy_dqkg_kernel(
             b_dh = tl.load(dh + p_h, mask=m_kv, other=0)
             b_do = tl.load(do + p_v, mask=m_cv, other=0).to(dtype)
             b_vn = tl.load(v_new + p_v, mask=m_cv, other=0).to(dtype)
-            b_dv2 = tl.load(dv2 + p_v, mask=m_cv, other=0)
+            b_dv2 = tl.load(dv2 + p_v, mask=m_cv, other=0).to(dtype)
             b_dqg += tl.dot(b_do, tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
             b_dkg += tl.dot(b_vn, tl.trans(b_dh.to(dtype)), input_precision=DOT_PREC)
-            b_dwn += tl.dot(b_dv2.to(dtype), tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
+            b_dwn += tl.dot(b_dv2, tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_h * b_dh, axis=1)
             if i_k == 0:
                 b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
-                b_dA += tl.dot(b_dv2.to(dtype), tl.trans((b_v * b_beta[:, None]).to(dtype)),
+                b_dA += tl.dot(b_dv2, tl.trans((b_v * b_beta[:, None]).to(dtype)),
                                input_precision=DOT_PREC)
-                b_dvb = tl.dot(b_at, b_dv2.to(dtype), input_precision=DOT_PREC)
-                tl.store(dv + p_v, b_dvb * b_beta[:, None], mask=m_cv)
+                b_dvb = tl.dot(b_at, b_dv2, input_precision=DOT_PREC)
+                tl.store(dv + p_v, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_cv)
                 b_dbeta += tl.sum(b_dvb * b_v, axis=1)
         p_qk = qk_rows[:, None] * K + o_k[None, :]
         p_hk = rows[:, None] * K + o_k[None, :]
@@ -162,7 +169,7 @@ def kda_bwd_wy_dqkg_kernel(
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gk, beta, dS, dL, dq, dk, dg, dbeta,
+    q, k, gk, beta, dS, dL, dq, dk, dg, dbeta, dq_out, dk_out, dbeta_out,
     cu_seqlens, chunk_indices,
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -171,6 +178,11 @@ def kda_bwd_intra_kernel(
 ):
     """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
     of one 16-row sub-chunk; grid (NT * BT // BC, B * HV).
+
+    dq, dk, dg `[B, T, HV, K]` and dbeta `[B, T, HV]` hold the fp32 partials of
+    `kda_bwd_wy_dqkg_kernel`. dg is completed in place (the cumsum's backward follows); the
+    sums for dq, dk, dbeta go to dq_out, dk_out, dbeta_out (same shapes, any float dtype, or
+    the partials' own buffers), so that no separate cast follows.
 
     With P = dS, D = dL (both chunk-local [BT, BT]) and e_ij = exp(gk_i - gk_j):
         dq_i += sum_j P_ij k_j e_ij,  dk_j += sum_i P_ij q_i e_ij,
@@ -290,12 +302,20 @@ def kda_bwd_intra_kernel(
                 b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
         b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
         tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
-        tl.store(dq + p_gi, tl.load(dq + p_gi, mask=m_ik, other=0) + b_dq, mask=m_ik)
-        b_dk = b_dks + b_beta_i[:, None] * b_r + b_cc
-        tl.store(dk + p_gi, tl.load(dk + p_gi, mask=m_ik, other=0) + b_dk, mask=m_ik)
+        b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)
+        tl.store(dq_out + p_gi, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
+        b_dk = b_dks + b_beta_i[:, None] * b_r + b_cc + tl.load(dk + p_gi, mask=m_ik, other=0)
+        tl.store(dk_out + p_gi, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
         b_dbeta += tl.sum(b_ki * b_r, axis=1)
     b_dbeta += tl.load(dbeta + rows_i, mask=m_i, other=0)
-    tl.store(dbeta + rows_i, b_dbeta, mask=m_i)
+    tl.store(dbeta_out + rows_i, b_dbeta.to(dbeta_out.dtype.element_ty), mask=m_i)
+
+
+def _output_buffer(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the kernel completing the fp32 `partial` writes the gradient in `dtype`: over the
+    partial itself when that is fp32 (each element is read before it is written, by the same
+    program), else a new tensor."""
+    return partial if dtype == torch.float32 else torch.empty_like(partial, dtype=dtype)
 
 
 def chunk_kda_bwd(
@@ -318,6 +338,7 @@ def chunk_kda_bwd(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     cp_record: BoundaryExchange | None = None,
+    dqk_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of chunked KDA (q, k already normalised if the op normalises them).
 
@@ -329,10 +350,13 @@ def chunk_kda_bwd(
     saved: at least Aqk, Akk, h and v_new from `chunk_kda_fwd`; with gk, w, qg, kg too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
     do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
+    dqk_dtype: dtype of the returned dq, dk, q's by default; fp32 when a further backward
+    (the l2norm's) consumes them.
 
-    Returns dq, dk (`[B, T, H, K]` fp32), dv (`[B, T, HV, V]` fp32), dbeta (`[B, T, HV]` fp32),
-    dg (`[B, T, HV, K]`, fp32 or g's dtype through the in-kernel gate), dh0 (fp32 or None),
-    dA_log, ddt_bias (or None).
+    Returns dq, dk (`[B, T, H, K]`, dqk_dtype), dv (`[B, T, HV, V]`, v's dtype), dbeta
+    (`[B, T, HV]`, beta's dtype), dg (`[B, T, HV, K]`, g's dtype), dh0 (fp32 or None), dA_log,
+    ddt_bias (or None). Each is written in its dtype by the kernel that completes it, so no
+    separate cast runs (except after the fp32 group sum of dq, dk under GVA).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -341,7 +365,8 @@ def chunk_kda_bwd(
         gk, w, qg, kg = (saved[n] for n in ("gk", "w", "qg", "kg"))
     else:
         gk = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices)
-        w, _, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk)
+        w, _, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk,
+                                              compute_u=False)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     is_varlen = cu_seqlens is not None
@@ -363,32 +388,37 @@ def chunk_kda_bwd(
         qg, kg, w, gk, do, dv_o, scale, dht, need_dh0, cu_seqlens, chunk_indices,
         chunk_offsets, CHUNK_SIZE, state_v_first,
     )
-    dq = q.new_empty(B, T, HV, K, dtype=torch.float32)
-    dk = torch.empty_like(dq)
-    dgk = torch.empty_like(dq)
-    dv = torch.empty_like(dv_o)
-    dbeta = torch.empty_like(beta, dtype=torch.float32)
+    dqk_dtype = dqk_dtype or q.dtype
+    dq_part = q.new_empty(B, T, HV, K, dtype=torch.float32)
+    dk_part = torch.empty_like(dq_part)
+    dgk = torch.empty_like(dq_part)
+    dv = torch.empty_like(v)
+    dbeta_part = torch.empty_like(beta, dtype=torch.float32)
     dL = torch.empty_like(Akk)
+    # kda_bwd_intra completes dq, dk, dbeta: it writes them in their final dtype, except dq, dk
+    # under GVA, whose group sum follows in fp32
+    dq, dk = (_output_buffer(x, torch.float32 if HV > H else dqk_dtype) for x in (dq_part, dk_part))
+    dbeta = _output_buffer(dbeta_part, beta.dtype)
     if NT * B * HV > 0:
         kda_bwd_wy_dqkg_kernel[(NT, B * HV)](
-            q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL,
+            q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq_part, dk_part, dv, dgk, dbeta_part, dL,
             cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
             **launch_options("kda_bwd_wy_dqkg"),
         )
         kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
-            q, k, gk, beta, dS, dL, dq, dk, dgk, dbeta, cu_seqlens, chunk_indices, T,
+            q, k, gk, beta, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens, chunk_indices, T,
             H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
             SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_bwd_intra"),
         )
     if HV > H:
-        dq = dq.view(B, T, H, HV // H, K).sum(3)
-        dk = dk.view(B, T, H, HV // H, K).sum(3)
+        dq, dk = (x.view(B, T, H, HV // H, K).sum(3).to(dqk_dtype) for x in (dq, dk))
     dA_log = ddt_bias = None
     if use_gate_in_kernel:
         dg, dA_log, ddt_bias = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dgk, lower_bound, CHUNK_SIZE,
                                                          cu_seqlens, chunk_indices)
     else:
-        dg = chunk_local_cumsum(dgk, CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        dg = chunk_local_cumsum(dgk, CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                output_dtype=g.dtype)
     return dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias
