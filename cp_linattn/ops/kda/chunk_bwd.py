@@ -198,12 +198,8 @@ def kda_bwd_intra_kernel(
     bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty
-    o_c = tl.arange(0, BT)
-    m_c = o_c < chunk_len
     o_i = i_i * BC + tl.arange(0, BC)
     m_i = o_i < chunk_len
-    qk_rows = (bos + t0 + o_c) * H + i_h
-    rows = (bos + t0 + o_c) * HV + i_hv
     qk_rows_i = (bos + t0 + o_i) * H + i_h
     rows_i = (bos + t0 + o_i) * HV + i_hv
     # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
@@ -211,16 +207,6 @@ def kda_bwd_intra_kernel(
     i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
     i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
 
-    m_row_strip = m_i[:, None] & (o_c < i_i * BC)[None, :]
-    p_row_strip = rows_i[:, None] * BT + o_c[None, :]
-    b_p_row = tl.load(dS + p_row_strip, mask=m_row_strip, other=0)
-    b_d_row = tl.load(dL + p_row_strip, mask=m_row_strip, other=0)
-    m_after = m_c & (o_c >= i_i * BC + BC)
-    m_col_strip = m_after[:, None] & m_i[None, :]
-    p_col_strip = rows[:, None] * BT + o_i[None, :]
-    b_p_col = tl.load(dS + p_col_strip, mask=m_col_strip, other=0)
-    b_d_col = tl.load(dL + p_col_strip, mask=m_col_strip, other=0)
-    b_beta_c = tl.load(beta + rows, mask=m_c, other=0).to(tl.float32)
     b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
     # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
     # i == j terms, decay 1) is added exactly: in dg = q dq - k dk those terms cancel, and under
@@ -245,26 +231,53 @@ def kda_bwd_intra_kernel(
         b_dks = tl.zeros([BC, BK], dtype=tl.float32)
         b_r = tl.zeros([BC, BK], dtype=tl.float32)
         b_cc = tl.zeros([BC, BK], dtype=tl.float32)
+        # Earlier sub-chunks j, as columns, one [BC, BC] block of dS / dL at a time: keys scaled
+        # to this sub-chunk's first row, rows scaled from it (both factors <= 1).
         if i_i > 0:
-            m_before = ((o_c < i_i * BC) & m_c)[:, None] & m_k[None, :]
             b_gf = tl.load(gk + i_first * K + o_k, mask=m_k, other=0)
-            b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_before, other=0).to(tl.float32)
-            b_gc = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_before, other=0)
-            b_kc = (b_kc * tl.exp(tl.where(m_before, b_gf[None, :] - b_gc, float("-inf")))).to(dtype)
-            b_ei = tl.exp(tl.where(m_ik, b_gi - b_gf[None, :], float("-inf")))
-            b_dq += b_ei * tl.dot(b_p_row.to(dtype), b_kc, input_precision=DOT_PREC)
-            b_r += b_ei * tl.dot(b_d_row.to(dtype), b_kc, input_precision=DOT_PREC)
-        if i_i < NC - 1:
-            m_later = m_after[:, None] & m_k[None, :]
-            b_gl = tl.load(gk + i_final * K + o_k, mask=m_k, other=0)
-            b_qc = tl.load(q + qk_rows[:, None] * K + o_k[None, :], mask=m_later, other=0).to(tl.float32)
-            b_kc = tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_later, other=0).to(tl.float32)
-            b_gc = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_later, other=0)
-            b_ec = tl.exp(tl.where(m_later, b_gc - b_gl[None, :], float("-inf")))
-            b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
-            b_dks += b_ej * tl.dot(tl.trans(b_p_col.to(dtype)), (b_qc * b_ec).to(dtype), input_precision=DOT_PREC)
-            b_cc += b_ej * tl.dot(tl.trans(b_d_col.to(dtype)), (b_kc * b_ec * b_beta_c[:, None]).to(dtype),
+            b_sum_q = tl.zeros([BC, BK], dtype=tl.float32)
+            b_sum_r = tl.zeros([BC, BK], dtype=tl.float32)
+            for j in range(0, i_i):
+                o_j = j * BC + tl.arange(0, BC)
+                m_j = o_j < chunk_len
+                m_jk = m_j[:, None] & m_k[None, :]
+                b_kj = tl.load(k + ((bos + t0 + o_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
+                b_gj = tl.load(gk + ((bos + t0 + o_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
+                b_kj = (b_kj.to(tl.float32) * tl.exp(tl.where(m_jk, b_gf[None, :] - b_gj, float("-inf")))).to(dtype)
+                p_block = rows_i[:, None] * BT + o_j[None, :]
+                m_block = m_i[:, None] & m_j[None, :]
+                b_sum_q += tl.dot(tl.load(dS + p_block, mask=m_block, other=0).to(dtype), b_kj,
                                   input_precision=DOT_PREC)
+                b_sum_r += tl.dot(tl.load(dL + p_block, mask=m_block, other=0).to(dtype), b_kj,
+                                  input_precision=DOT_PREC)
+            b_ei = tl.exp(tl.where(m_ik, b_gi - b_gf[None, :], float("-inf")))
+            b_dq += b_ei * b_sum_q
+            b_r += b_ei * b_sum_r
+        # Later sub-chunks t, as rows: queries / keys scaled to this sub-chunk's last row.
+        if i_i < NC - 1:
+            b_gl = tl.load(gk + i_final * K + o_k, mask=m_k, other=0)
+            b_sum_k = tl.zeros([BC, BK], dtype=tl.float32)
+            b_sum_c = tl.zeros([BC, BK], dtype=tl.float32)
+            for t in range(i_i + 1, NC):
+                o_t = t * BC + tl.arange(0, BC)
+                m_t = o_t < chunk_len
+                m_tk = m_t[:, None] & m_k[None, :]
+                p_t = ((bos + t0 + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+                hv_rows_t = (bos + t0 + o_t) * HV + i_hv
+                b_qt = tl.load(q + p_t, mask=m_tk, other=0).to(tl.float32)
+                b_kt = tl.load(k + p_t, mask=m_tk, other=0).to(tl.float32)
+                b_gt = tl.load(gk + hv_rows_t[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+                b_beta_t = tl.load(beta + hv_rows_t, mask=m_t, other=0).to(tl.float32)
+                b_et = tl.exp(tl.where(m_tk, b_gt - b_gl[None, :], float("-inf")))
+                p_block = hv_rows_t[:, None] * BT + o_i[None, :]
+                m_block = m_t[:, None] & m_i[None, :]
+                b_sum_k += tl.dot(tl.trans(tl.load(dS + p_block, mask=m_block, other=0).to(dtype)),
+                                  (b_qt * b_et).to(dtype), input_precision=DOT_PREC)
+                b_sum_c += tl.dot(tl.trans(tl.load(dL + p_block, mask=m_block, other=0).to(dtype)),
+                                  (b_kt * b_et * b_beta_t[:, None]).to(dtype), input_precision=DOT_PREC)
+            b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
+            b_dks += b_ej * b_sum_k
+            b_cc += b_ej * b_sum_c
         b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
         b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
         if within_span(b_rel, SPAN_LIMIT):
