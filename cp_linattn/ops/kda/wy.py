@@ -48,16 +48,29 @@ def store_sub_block(a_ptr, r0, c0, b_x, chunk_len, stride, BC: tl.constexpr):
 
 
 @triton.jit
-def invert_unit_lower_sub_block(a_ptr, r0, chunk_len, stride, BC: tl.constexpr):
-    """(I + L)^-1 of the strictly lower diagonal block L at (r0, r0), by forward substitution:
-    row i of the inverse is e_i - sum_{j < i} L_ij (row j of the inverse)."""
+def substitution_step(a_ptr, r0, i, b_x, chunk_len, stride, BC: tl.constexpr):
+    """Row i of (I + L)^-1, L the strictly lower diagonal block at (r0, r0), given its rows
+    before i in b_x (the rest still identity rows): e_i - sum_{j < i} L_ij (row j)."""
     o = tl.arange(0, BC)
-    b_x = (o[:, None] == o[None, :]).to(tl.float32)
+    b_l = tl.load(a_ptr + (r0 + i) * stride + r0 + o, mask=(o < i) & (r0 + i < chunk_len), other=0)
+    b_row = -tl.sum(b_l.to(tl.float32)[:, None] * b_x, axis=0)
+    return b_x + tl.where(o[:, None] == i, b_row[None, :], 0)
+
+
+@triton.jit
+def invert_diagonal_sub_blocks(a_ptr, chunk_len, stride, BC: tl.constexpr):
+    """(I + L)^-1 of each of the four strictly lower diagonal [BC, BC] blocks of a chunk's
+    matrix, by forward substitution; the four independent chains advance in one loop so that
+    their latencies overlap."""
+    o = tl.arange(0, BC)
+    b_x0 = (o[:, None] == o[None, :]).to(tl.float32)
+    b_x1, b_x2, b_x3 = b_x0, b_x0, b_x0
     for i in range(1, BC):
-        b_l = tl.load(a_ptr + (r0 + i) * stride + r0 + o, mask=(o < i) & (r0 + i < chunk_len), other=0)
-        b_row = -tl.sum(b_l.to(tl.float32)[:, None] * b_x, axis=0)
-        b_x += tl.where(o[:, None] == i, b_row[None, :], 0)
-    return b_x
+        b_x0 = substitution_step(a_ptr, 0, i, b_x0, chunk_len, stride, BC)
+        b_x1 = substitution_step(a_ptr, BC, i, b_x1, chunk_len, stride, BC)
+        b_x2 = substitution_step(a_ptr, 2 * BC, i, b_x2, chunk_len, stride, BC)
+        b_x3 = substitution_step(a_ptr, 3 * BC, i, b_x3, chunk_len, stride, BC)
+    return b_x0, b_x1, b_x2, b_x3
 
 
 @triton.jit
@@ -242,10 +255,7 @@ def kda_intra_wy_fwd_kernel(
         b_l10, b_l20, b_l21 = b_akk_10 * b_b1, b_akk_20 * b_b2, b_akk_21 * b_b2
         b_l30, b_l31, b_l32 = b_akk_30 * b_b3, b_akk_31 * b_b3, b_akk_32 * b_b3
         tl.debug_barrier()
-        b_x0 = invert_unit_lower_sub_block(a_ptr, 0, chunk_len, a_stride, BC)
-        b_x1 = invert_unit_lower_sub_block(a_ptr, BC, chunk_len, a_stride, BC)
-        b_x2 = invert_unit_lower_sub_block(a_ptr, 2 * BC, chunk_len, a_stride, BC)
-        b_x3 = invert_unit_lower_sub_block(a_ptr, 3 * BC, chunk_len, a_stride, BC)
+        b_x0, b_x1, b_x2, b_x3 = invert_diagonal_sub_blocks(a_ptr, chunk_len, a_stride, BC)
         # block forward substitution: X_ij = -X_ii sum_{j <= m < i} L_im X_mj
         b_x10 = -tl.dot(b_x1, tl.dot(b_l10, b_x0, input_precision=DOT_PREC), input_precision=DOT_PREC)
         b_x21 = -tl.dot(b_x2, tl.dot(b_l21, b_x1, input_precision=DOT_PREC), input_precision=DOT_PREC)
