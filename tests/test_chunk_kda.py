@@ -227,6 +227,12 @@ def test_in_kernel_gate_accepts_a_strided_gate():
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
 
 
+def test_head_dims_not_powers_of_two():
+    """K = 80 spans two 64-wide key tiles (the second one partly masked) and V = 48 one
+    partly masked value tile: every kernel's tile loop and masks, against the reference."""
+    assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
+
+
 def test_short_sequence():
     assert_close(run_both(make_inputs(T=23)))
 
