@@ -16,11 +16,11 @@ strong decay. Rows come in sub-chunks of BC = 16; for a row i of sub-chunk I (fi
 a column j of an earlier sub-chunk J (last row l) the difference is split in three,
 `exp(gk_i - gk_f) * exp(gk_f - gk_l) * exp(gk_l - gk_j)`, every factor <= 1, so a tensor-core
 dot handles each of the six off-diagonal 16 x 16 blocks; the first and last factors are formed
-once per sub-chunk, the middle one is a K-vector per pair. The diagonal
-16 x 16 blocks split at their middle row and take a dot too when the gates' span allows it
-(checked at run time per block, cp_linattn/ops/common/intra.py: log-sigmoid gates and the
-safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly, one
-key column per step.
+once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
+at their middle row and take a dot too when the gates' span allows it (checked at run time
+per block, cp_linattn/ops/common/intra.py: log-sigmoid gates and the safe gate with
+lower_bound >= -5 do); otherwise each pair's exponent is formed exactly, one key column per
+step.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
 block merge with dots. The stored `Akk` is the inverse A (what the backward needs).
