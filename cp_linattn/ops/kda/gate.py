@@ -87,14 +87,15 @@ def kda_gate_cumsum_kernel(
 
 def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, **buffers):
     """Runs the forward (buffers g_cum) or the backward (dg_cum, dg, dA_part, dbias_part);
-    g and the `[B, T, HV, K]` buffers contiguous."""
+    the `[B, T, HV, K]` buffers contiguous (`g.new_empty(g.shape)`, never `empty_like(g)`, which
+    would copy a non-contiguous g's strides that the kernel's flat offsets do not follow)."""
     B, T, HV, K = g.shape
     NT = B * triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     BK = min(64, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(K, BK), NT // B if cu_seqlens is None else NT, B * HV)
     if NT > 0:
         kda_gate_cumsum_kernel[grid](
-            g, A_log.contiguous() if A_log is not None else None,
+            g.contiguous(), A_log.contiguous() if A_log is not None else None,
             dt_bias.contiguous() if dt_bias is not None else None,
             buffers.get("g_cum"), buffers.get("dg_cum"), buffers.get("dg"), buffers.get("dA_part"), buffers.get("dbias_part"), cu_seqlens, chunk_indices,
             float(lower_bound) if lower_bound is not None else 0.0, T,
@@ -120,10 +121,7 @@ def kda_gate_chunk_cumsum(
     chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
     Returns fp32 `[B, T, HV, K]`.
     """
-    # contiguous before empty_like, which would copy a non-contiguous g's strides that the
-    # kernel's flat offsets do not follow
-    g = g.contiguous()
-    g_cum = torch.empty_like(g, dtype=torch.float32)
+    g_cum = g.new_empty(g.shape, dtype=torch.float32)
     _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, g_cum=g_cum)
     return g_cum
 
@@ -145,9 +143,8 @@ def kda_gate_chunk_cumsum_bwd(
     """
     B, T, HV, K = g.shape
     NT = B * triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
-    g = g.contiguous()  # as in the forward
     # the kernel rounds dg to g's dtype on store: no separate cast follows
-    dg = torch.empty_like(g)
+    dg = g.new_empty(g.shape)
     dA_part = g.new_empty(NT, HV, K, dtype=torch.float32)
     dbias_part = g.new_empty(NT, HV, K, dtype=torch.float32)
     _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices,
