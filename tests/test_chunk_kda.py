@@ -212,18 +212,22 @@ def test_fp16_gradients_in_input_dtype(monkeypatch, HV, gate_in_kernel, l2):
     assert_close(param_grads, rel=2e-2)
 
 
-def test_in_kernel_gate_accepts_a_strided_gate():
-    """A non-contiguous raw gate (a transposed view) gives the same output and gate gradient
-    as its contiguous copy (the gate kernels once wrote with g's strides but flat offsets)."""
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_strided_inputs(name):
+    """A non-contiguous input (a transposed view) gives the same output and gradients as its
+    contiguous copy, with the in-kernel gate (kernels once allocated outputs with an input's
+    strides but wrote flat offsets: the gate cumsum for g, u for v)."""
     inp = make_inputs(T=40, HV=2, gate="raw")
     out = []
-    for g in (inp["g"].transpose(-1, -2).contiguous().transpose(-1, -2), inp["g"].clone()):
-        assert g.is_contiguous() == (len(out) == 1)
-        g.requires_grad_(True)
-        o, _ = chunk_kda(inp["q"], inp["k"], inp["v"], g, inp["beta"], use_gate_in_kernel=True,
-                         A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+    for strided in (True, False):
+        x = inp[name]
+        if strided:
+            x = x.transpose(1, -1).contiguous().transpose(1, -1)
+        args = {n: (x if n == name else inp[n]).clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+        assert args[name].is_contiguous() != strided
+        o, _ = chunk_kda(*args.values(), use_gate_in_kernel=True, A_log=inp["A_log"], dt_bias=inp["dt_bias"])
         o.square().sum().backward()
-        out.append((o.detach(), g.grad))
+        out.append((o.detach(), *(t.grad for t in args.values())))
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
 
 

@@ -336,7 +336,8 @@ def kda_intra_wy_fwd(
     w = k.new_empty(B, T, HV, K)
     qg = k.new_empty(B, T, HV, K)
     kg = k.new_empty(B, T, HV, K)
-    u = torch.empty_like(v) if compute_u else None
+    # new_empty, not empty_like: u must be contiguous (the kernel writes flat offsets) whatever v's strides
+    u = v.new_empty(v.shape) if compute_u else None
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
         kda_intra_wy_fwd_kernel[(NT, B * HV)](
