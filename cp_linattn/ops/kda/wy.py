@@ -84,7 +84,7 @@ def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.con
 
 @triton.jit
 def sub_chunk_factors(
-    b_sq, b_sk, q, k, gk, chunk_row0, r0, chunk_len, i_h, i_hv, o_k, m_k,
+    q, k, gk, chunk_row0, r0, chunk_len, i_h, i_hv, o_k, m_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
     SPAN_LIMIT: tl.constexpr,
 ):
@@ -94,8 +94,7 @@ def sub_chunk_factors(
     - qf = q exp(gk - gf), kf = k exp(gk - gf) (fp32; rows against the first row, <= 1),
     - kl = k exp(gl - gk) (k's dtype; the last row against each row, <= 1),
     - gf, gl ([BK] fp32),
-    - b_sq, b_sk plus this K tile's part of its diagonal [BC, BC] blocks of q.k and k.k
-      scores (unmasked above the diagonal).
+    - its diagonal [BC, BC] blocks of q.k and k.k scores (unmasked above the diagonal).
 
     A later sub-chunk i pairs with this one (j) through exp(gf_i - gl_j) <= 1, so every factor
     of an off-diagonal block is at most 1. The diagonal block is split at its middle row when
@@ -117,6 +116,8 @@ def sub_chunk_factors(
     # masking the exponents (not the products) keeps padded rows from overflowing
     b_ef = tl.exp(tl.where(m_rk, b_g - b_gf[None, :], float("-inf")))
     b_kl = (b_k * tl.exp(tl.where(m_rk, b_gl[None, :] - b_g, float("-inf")))).to(dtype)
+    b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([BC, BC], dtype=tl.float32)
     b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
     if within_span(b_rel, SPAN_LIMIT):
         b_em = tl.exp(b_rel)
@@ -139,14 +140,13 @@ def sub_chunk_factors(
 
 
 @triton.jit
-def add_off_diagonal_scores(b_aqk, b_akk, b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PREC: tl.constexpr):
-    """Adds one K tile's [BC, BC] q.k and k.k scores of the rows of sub-chunk i against the
-    columns of an earlier sub-chunk j to b_aqk, b_akk, from `sub_chunk_factors` of each
-    (exp(gf_i - gl_j) <= 1)."""
+def off_diagonal_scores(b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PREC: tl.constexpr):
+    """The [BC, BC] q.k and k.k scores of rows of sub-chunk i against the columns of an
+    earlier sub-chunk j, from `sub_chunk_factors` of each (exp(gf_i - gl_j) <= 1)."""
     b_s = tl.exp(b_gf - b_gl)[None, :]
     b_klt = tl.trans(b_kl)
-    return (b_aqk + tl.dot((b_qf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC),
-            b_akk + tl.dot((b_kf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC))
+    return (tl.dot((b_qf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC),
+            tl.dot((b_kf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC))
 
 
 @triton.jit
@@ -194,30 +194,40 @@ def kda_intra_wy_fwd_kernel(
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            b_qf0, b_kf0, b_kl0, b_gf0, b_gl0, b_aqk_00, b_akk_00 = sub_chunk_factors(
-                b_aqk_00, b_akk_00, q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC,
-                DOT_PREC, SPAN_LIMIT)
-            b_qf1, b_kf1, b_kl1, b_gf1, b_gl1, b_aqk_11, b_akk_11 = sub_chunk_factors(
-                b_aqk_11, b_akk_11, q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC,
-                DOT_PREC, SPAN_LIMIT)
-            b_aqk_10, b_akk_10 = add_off_diagonal_scores(b_aqk_10, b_akk_10, b_qf1, b_kf1, b_gf1,
-                                                           b_kl0, b_gl0, DOT_PREC)
-            b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_aqk_22, b_akk_22 = sub_chunk_factors(
-                b_aqk_22, b_akk_22, q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC,
-                DOT_PREC, SPAN_LIMIT)
-            b_aqk_20, b_akk_20 = add_off_diagonal_scores(b_aqk_20, b_akk_20, b_qf2, b_kf2, b_gf2,
-                                                           b_kl0, b_gl0, DOT_PREC)
-            b_aqk_21, b_akk_21 = add_off_diagonal_scores(b_aqk_21, b_akk_21, b_qf2, b_kf2, b_gf2,
-                                                           b_kl1, b_gl1, DOT_PREC)
-            b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_aqk_33, b_akk_33 = sub_chunk_factors(
-                b_aqk_33, b_akk_33, q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC,
-                DOT_PREC, SPAN_LIMIT)
-            b_aqk_30, b_akk_30 = add_off_diagonal_scores(b_aqk_30, b_akk_30, b_qf3, b_kf3, b_gf3,
-                                                           b_kl0, b_gl0, DOT_PREC)
-            b_aqk_31, b_akk_31 = add_off_diagonal_scores(b_aqk_31, b_akk_31, b_qf3, b_kf3, b_gf3,
-                                                           b_kl1, b_gl1, DOT_PREC)
-            b_aqk_32, b_akk_32 = add_off_diagonal_scores(b_aqk_32, b_akk_32, b_qf3, b_kf3, b_gf3,
-                                                           b_kl2, b_gl2, DOT_PREC)
+            b_qf0, b_kf0, b_kl0, b_gf0, b_gl0, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_00 += b_sq
+            b_akk_00 += b_sk
+            b_qf1, b_kf1, b_kl1, b_gf1, b_gl1, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_11 += b_sq
+            b_akk_11 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_10 += b_sq
+            b_akk_10 += b_sk
+            b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_22 += b_sq
+            b_akk_22 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_20 += b_sq
+            b_akk_20 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PREC)
+            b_aqk_21 += b_sq
+            b_akk_21 += b_sk
+            b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
+                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+            b_aqk_33 += b_sq
+            b_akk_33 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PREC)
+            b_aqk_30 += b_sq
+            b_akk_30 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PREC)
+            b_aqk_31 += b_sq
+            b_akk_31 += b_sk
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PREC)
+            b_aqk_32 += b_sq
+            b_akk_32 += b_sk
         o_b = tl.arange(0, BC)
         b_0 = tl.zeros([BC, BC], dtype=tl.float32)
         with_diag = o_b[:, None] >= o_b[None, :]
