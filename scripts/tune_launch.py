@@ -29,7 +29,7 @@ OP_KERNELS = {
     "kda": ["delta_rule_fwd_h", "delta_rule_bwd_dhu", "kda_intra_wy_fwd", "kda_output", "kda_bwd_dAv",
             "kda_bwd_wy_dqkg", "kda_bwd_intra"],
 }
-CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (32, 64), "BV": (16, 32, 64, 128)}
+CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 
 
 def warm_fwd_bwd_step(op: str, T: int) -> Callable[[], None]:

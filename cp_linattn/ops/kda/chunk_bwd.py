@@ -38,8 +38,8 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, head_block_size, kda_intra_wy_fwd
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
+from cp_linattn.ops.launch import launch_options, tile, tiles
 
 
 @triton.jit
@@ -384,7 +384,6 @@ def chunk_kda_bwd(
     NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
     is_varlen = cu_seqlens is not None
     prec = dot_precision(k.dtype)
-    BK, BV = head_block_size(K), head_block_size(V)
     do = do.to(k.dtype)
 
     dS = torch.empty_like(Aqk)
@@ -413,6 +412,7 @@ def chunk_kda_bwd(
     dq, dk = (_output_buffer(x, torch.float32 if HV > H else dqk_dtype) for x in (dq_part, dk_part))
     dbeta = _output_buffer(dbeta_part, beta.dtype)
     if NT * B * HV > 0:
+        BK, BV = tiles("kda_bwd_wy_dqkg", K, V)
         kda_bwd_wy_dqkg_kernel[(NT, B * HV)](
             q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq_part, dk_part, dv, dgk, dbeta_part, dL,
             cu_seqlens, chunk_indices, float(scale), T,
@@ -421,7 +421,8 @@ def chunk_kda_bwd(
         )
         kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
             q, k, gk, beta, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens, chunk_indices, T,
-            H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, IS_VARLEN=is_varlen, DOT_PREC=prec,
+            H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=tile("kda_bwd_intra", "BK", K),
+            IS_VARLEN=is_varlen, DOT_PREC=prec,
             SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_bwd_intra"),
         )

@@ -34,7 +34,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.intra import span_limit, within_span
-from cp_linattn.ops.launch import launch_options
+from cp_linattn.ops.launch import launch_options, tiles
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -350,10 +350,11 @@ def kda_intra_wy_fwd(
     u = v.new_empty(v.shape) if compute_u else None
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
+        BK, BV = tiles("kda_intra_wy_fwd", K, V)
         kda_intra_wy_fwd_kernel[(NT, B * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(),
             Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T,
-            H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=head_block_size(K), BV=head_block_size(V),
+            H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
             COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
             SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_intra_wy_fwd"),
