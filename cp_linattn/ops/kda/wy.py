@@ -191,6 +191,9 @@ def kda_intra_wy_fwd_kernel(
         b_akk_00, b_akk_11, b_akk_22, b_akk_33 = b_aqk_00, b_aqk_00, b_aqk_00, b_aqk_00
         b_akk_10, b_akk_20, b_akk_21, b_akk_30, b_akk_31, b_akk_32 = b_aqk_00, b_aqk_00, b_aqk_00, b_aqk_00, \
             b_aqk_00, b_aqk_00
+        # Each block's scores come back fresh and are added here: helpers that take the
+        # accumulators they add to (same arithmetic, one statement per block) made this kernel
+        # 1.73 -> 2.28 ms on the H200 (T=32768, HV=16).
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
