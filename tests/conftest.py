@@ -42,3 +42,15 @@ def diagonal_block_spans(g: torch.Tensor, chunk: int = 64, block: int = 16) -> t
             worst = max(worst, (b[r:r + block] - b[mid]).abs().max().item())
         spans.append(worst)
     return torch.tensor(spans)
+
+
+def set_tile_caps(monkeypatch: pytest.MonkeyPatch, prefixes: tuple[str, ...], caps: dict[str, int]) -> None:
+    """Sets the BK / BV caps of every entry of ops/launch.py whose kernel name starts with one
+    of `prefixes` (those that have the key) for one test."""
+    from cp_linattn.ops.launch import LAUNCH
+
+    for kernel, entry in LAUNCH.items():
+        if kernel.startswith(prefixes):
+            for key, cap in caps.items():
+                if key in entry:
+                    monkeypatch.setitem(entry, key, cap)

@@ -13,7 +13,7 @@ from cp_linattn.ops.common.chunk_h import add_decayed_state, chunk_bwd_dh, chunk
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.gla.chunk import chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from tests.conftest import diagonal_block_spans, requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda, set_tile_caps
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dh0")
 
@@ -121,6 +121,16 @@ def test_both_diagonal_paths_in_one_call():
     assert (spans <= SAFE_SPAN).any() and (spans > SAFE_SPAN).any(), spans
     compare_with_reference(1, 200, 1, 32, 32, gate="mixed")
     compare_with_reference(1, 200, 1, 32, 32, cu=[0, 100, 101, 200], gate="mixed")
+
+
+@pytest.mark.parametrize("caps", [dict(BK=16, BV=16), dict(BK=32, BV=64), dict(BK=64, BV=128)])
+def test_tile_caps_of_the_launch_table(monkeypatch, caps):
+    """scripts/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
+    the GLA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
+    several tiles, masked tails; BK=32 / BV=64 is the setting of the dq/dk/dg kernel that
+    faulted on the H200 at 4 warps, BENCHMARKS.md)."""
+    set_tile_caps(monkeypatch, ("chunk_state_", "add_decayed_state", "gla_"), caps)
+    compare_with_reference(1, 150, 1, 80, 48, cu=[0, 70, 150])
 
 
 def test_fp16_inputs():

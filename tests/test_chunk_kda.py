@@ -14,7 +14,7 @@ from cp_linattn.ops.kda.chunk import ChunkKDAFunction, chunk_kda
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd_prepare
 from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
 from cp_linattn.ops.utils import prepare_chunk_indices
-from tests.conftest import diagonal_block_spans, requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda, set_tile_caps
 
 REL_TOL = 1e-4
 
@@ -232,8 +232,17 @@ def test_strided_inputs(name):
 
 
 def test_head_dims_not_powers_of_two():
-    """K = 80 spans two 64-wide key tiles (the second one partly masked) and V = 48 one
-    partly masked value tile: every kernel's tile loop and masks, against the reference."""
+    """K = 80 spans several key tiles (the last one partly masked) and V = 48 a partly masked
+    value tile: every kernel's tile loop and masks, against the reference."""
+    assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
+
+
+@pytest.mark.parametrize("caps", [dict(BK=16, BV=16), dict(BK=32, BV=64), dict(BK=64, BV=128)])
+def test_tile_caps_of_the_launch_table(monkeypatch, caps):
+    """scripts/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
+    the KDA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
+    several tiles, masked tails)."""
+    set_tile_caps(monkeypatch, ("kda_", "delta_rule_"), caps)
     assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
 
 
