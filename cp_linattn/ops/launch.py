@@ -26,7 +26,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
     "gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_intra_wy_fwd": dict(BK=32, BV=64, num_warps=2, num_stages=1),
-    "kda_output": dict(BV=128, num_warps=4, num_stages=1),
+    "kda_output": dict(BK=64, BV=128, num_warps=4, num_stages=1),
     "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
     "kda_bwd_wy_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_bwd_intra": dict(BK=64, num_warps=2, num_stages=1),

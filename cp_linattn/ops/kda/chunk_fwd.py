@@ -18,8 +18,8 @@ from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_sp
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, head_block_size, kda_intra_wy_fwd
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, kda_intra_wy_fwd
+from cp_linattn.ops.launch import launch_options, tiles
 
 L2NORM_EPS = 1e-6
 
@@ -123,11 +123,11 @@ def kda_output(
     V = v_new.shape[-1]
     o = v_new.new_empty(B, T, HV, V, dtype=out_dtype or v_new.dtype)
     NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
-    BV = tile("kda_output", "BV", V)
+    BK, BV = tiles("kda_output", K, V)
     if NT * B * HV > 0:
         kda_output_kernel[(triton.cdiv(V, BV), NT, B * HV)](
             qg, v_new.to(qg.dtype).contiguous(), h, Aqk, o, cu_seqlens, chunk_indices, float(scale), T,
-            HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=head_block_size(K), BV=BV,
+            HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype), **launch_options("kda_output"),
         )
     return o

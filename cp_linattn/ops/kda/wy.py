@@ -305,11 +305,6 @@ def kda_intra_wy_fwd_kernel(
             tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_cv)
 
 
-def head_block_size(D: int) -> int:
-    """Tile width along a head dim: a power of two in [16, 64] (tl.dot needs >= 16)."""
-    return max(16, min(64, triton.next_power_of_2(D)))
-
-
 def kda_intra_wy_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
