@@ -168,6 +168,11 @@ def test_varlen_gva_gate_in_kernel_states_l2norm():
     assert_close(run_both(inp, cu_seqlens=cu, gate_in_kernel=True, l2=True))
 
 
+def test_gva_groups_of_three_value_heads():
+    """dq, dk summed over groups of three value heads inside the intra backward kernel."""
+    assert_close(run_both(make_inputs(T=80, H=2, HV=6, gate="log", gate_scale=3.0)))
+
+
 def test_state_v_first():
     cu = torch.tensor([0, 20, 100], dtype=torch.long)
     assert_close(run_both(make_inputs(T=100, N=2), cu_seqlens=cu, state_v_first=True))

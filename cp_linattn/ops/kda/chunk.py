@@ -16,10 +16,11 @@ MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
 # Always kept for the backward: the state pass is the sequential one, costly to redo. h stays
 # fp32: with bf16 states, CP and single-rank bf16 runs differed by up to 1e-1 (bench_cp), as the
-# gate gradient's rowsum(h * dh) cancels. The intra-chunk WY quantities are rebuilt unless
-# disable_recompute.
-KEPT = ("h", "v_new")
-RECOMPUTED = ("gk", "w", "qg", "kg")
+# gate gradient's rowsum(h * dh) cancels. The fp32 gate cumsum is kept too (a pass over g saved,
+# 0.12 ms at T=32768, HV=16 on the H200, for T * HV * K * 4 bytes); the intra-chunk WY
+# quantities are rebuilt unless disable_recompute.
+KEPT = ("h", "v_new", "gk")
+RECOMPUTED = ("w", "qg", "kg")
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -46,11 +47,12 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk, h, v_new,
+        (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
          *rest) = ctx.saved_tensors
         cp_context, cp_record, h0_dtype = ctx.cp
         scale, use_l2norm, use_gate, lower_bound, disable_recompute, state_v_first = ctx.options
-        saved = dict(Aqk=Aqk, Akk=Akk, h=h, v_new=v_new)
+        saved = dict(Aqk=Aqk, Akk=Akk, **dict(zip(KEPT, rest)))
+        rest = rest[len(KEPT):]
         if disable_recompute:
             saved.update(zip(RECOMPUTED, rest))
         if use_l2norm:
@@ -144,10 +146,11 @@ def chunk_kda(
         safe_gate: with the in-kernel gate, requires `lower_bound` in [-5, 0). The kernels
             always use the exact overflow-free path (see `ops/kda/wy.py`), so this only
             validates; without the in-kernel gate it has no effect.
-        disable_recompute: keep gk, w, qg, kg (and the normalised q, k) for the backward
-            instead of recomputing them: more memory, identical gradients. The states h (fp32)
-            and v_new are kept in either case (h: `NT * HV * K * V` fp32, 512 MiB per call at
-            T=32768, HV=16, K=V=128), which saves the backward a second state pass.
+        disable_recompute: keep w, qg, kg (and the normalised q, k) for the backward
+            instead of recomputing them: more memory, identical gradients. The states h (fp32),
+            v_new and the fp32 gate cumsum gk are kept in either case (h: `NT * HV * K * V`
+            fp32, 512 MiB per call at T=32768, HV=16, K=V=128), which saves the backward a
+            second state pass and a pass over g.
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor

@@ -18,7 +18,7 @@ of the state leaving the chunk, dv2 the total gradient of v_new):
    before it, last row for the rows after it; inside the diagonal blocks the dot split at the
    middle row when the gate span allows it, else exact pairs, as in the forward).
 5. dg = reverse chunk-local cumsum of dgk (the gk are cumsums of g), then the in-kernel
-   gate's backward if any; dq, dk are summed over each GVA group.
+   gate's backward if any. Step 4 also sums dq, dk over each GVA group.
 
 Steps 3 and 4 accumulate dq, dk, dg, dbeta in fp32; the kernel that completes a gradient
 writes it in its input's dtype (dv in step 3, dq, dk, dbeta in step 4, dg in step 5), so no
@@ -36,7 +36,6 @@ from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import span_limit, within_span
-from cp_linattn.ops.kda.chunk_fwd import kda_gate_cumsum
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tile, tiles
@@ -177,12 +176,13 @@ def kda_bwd_intra_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
-    of one 16-row sub-chunk; grid (NT * BT // BC, B * HV).
+    of one 16-row sub-chunk, for every value head of one q/k head; grid (NT * BT // BC, B * H).
 
     dq, dk, dg `[B, T, HV, K]` and dbeta `[B, T, HV]` hold the fp32 partials of
     `kda_bwd_wy_dqkg_kernel`. dg is completed in place (the cumsum's backward follows); the
-    sums for dq, dk, dbeta go to dq_out, dk_out, dbeta_out (same shapes, any float dtype, or
-    the partials' own buffers), so that no separate cast follows.
+    sums for dbeta go to dbeta_out (same shape), those for dq, dk, summed over the GVA group,
+    to dq_out, dk_out `[B, T, H, K]` (any float dtype, or with HV == H the partials' own
+    buffers), so that neither a cast nor a group sum follows.
 
     With P = dS, D = dL (both chunk-local [BT, BT]) and e_ij = exp(gk_i - gk_j):
         dq_i += sum_j P_ij k_j e_ij,  dk_j += sum_i P_ij q_i e_ij,
@@ -193,135 +193,149 @@ def kda_bwd_intra_kernel(
     NC: tl.constexpr = BT // BC
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)
     i_t, i_i = i_tc // NC, i_tc % NC
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
+    G: tl.constexpr = HV // H
+    i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty
     o_i = i_i * BC + tl.arange(0, BC)
     m_i = o_i < chunk_len
     qk_rows_i = (bos + t0 + o_i) * H + i_h
-    rows_i = (bos + t0 + o_i) * HV + i_hv
-    # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
-    i_first = (bos + t0 + tl.minimum(i_i * BC, chunk_len - 1)) * HV + i_hv
-    i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
-    i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
+    # dq, dk of the group's value heads are summed in the first head's fp32 partial
+    acc_rows_i = (bos + t0 + o_i) * HV + i_h * G
+    for i_g in tl.static_range(G):
+        i_hv = i_h * G + i_g
+        rows_i = (bos + t0 + o_i) * HV + i_hv
+        # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
+        i_first = (bos + t0 + tl.minimum(i_i * BC, chunk_len - 1)) * HV + i_hv
+        i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
+        i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
 
-    b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
-    # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
-    # i == j terms, decay 1) is added exactly: in dg = q dq - k dk those terms cancel, and under
-    # strong decay they dominate, so bf16-rounded dot operands would leave their rounding as dg's error.
-    p_diag = rows_i[:, None] * BT + o_i[None, :]
-    m_strict = m_i[:, None] & (o_i[None, :] < o_i[:, None])
-    b_p_diag = tl.load(dS + p_diag, mask=m_strict, other=0).to(dtype)
-    b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0).to(dtype)
-    b_p_self = tl.load(dS + rows_i * BT + o_i, mask=m_i, other=0)
+        b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
+        # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
+        # i == j terms, decay 1) is added exactly: in dg = q dq - k dk those terms cancel, and under
+        # strong decay they dominate, so bf16-rounded dot operands would leave their rounding as dg's error.
+        p_diag = rows_i[:, None] * BT + o_i[None, :]
+        m_strict = m_i[:, None] & (o_i[None, :] < o_i[:, None])
+        b_p_diag = tl.load(dS + p_diag, mask=m_strict, other=0).to(dtype)
+        b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0).to(dtype)
+        b_p_self = tl.load(dS + rows_i * BT + o_i, mask=m_i, other=0)
 
-    b_dbeta = tl.zeros([BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_ik = m_i[:, None] & m_k[None, :]
-        p_i = qk_rows_i[:, None] * K + o_k[None, :]
-        p_gi = rows_i[:, None] * K + o_k[None, :]
-        b_qi = tl.load(q + p_i, mask=m_ik, other=0).to(tl.float32)
-        b_ki = tl.load(k + p_i, mask=m_ik, other=0).to(tl.float32)
-        b_gi = tl.load(gk + p_gi, mask=m_ik, other=0)
-        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dks = tl.zeros([BC, BK], dtype=tl.float32)
-        b_r = tl.zeros([BC, BK], dtype=tl.float32)
-        b_cc = tl.zeros([BC, BK], dtype=tl.float32)
-        # Earlier sub-chunks j, as columns, one [BC, BC] block of dS / dL at a time: keys scaled
-        # to this sub-chunk's first row, rows scaled from it (both factors <= 1).
-        if i_i > 0:
-            b_gf = tl.load(gk + i_first * K + o_k, mask=m_k, other=0)
-            b_sum_q = tl.zeros([BC, BK], dtype=tl.float32)
-            b_sum_r = tl.zeros([BC, BK], dtype=tl.float32)
-            for j in range(0, i_i):
-                o_j = j * BC + tl.arange(0, BC)
-                m_j = o_j < chunk_len
-                m_jk = m_j[:, None] & m_k[None, :]
-                b_kj = tl.load(k + ((bos + t0 + o_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
-                b_gj = tl.load(gk + ((bos + t0 + o_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
-                b_kj = (b_kj.to(tl.float32) * tl.exp(tl.where(m_jk, b_gf[None, :] - b_gj, float("-inf")))).to(dtype)
-                p_block = rows_i[:, None] * BT + o_j[None, :]
-                m_block = m_i[:, None] & m_j[None, :]
-                b_sum_q += tl.dot(tl.load(dS + p_block, mask=m_block, other=0).to(dtype), b_kj,
-                                  input_precision=DOT_PREC)
-                b_sum_r += tl.dot(tl.load(dL + p_block, mask=m_block, other=0).to(dtype), b_kj,
-                                  input_precision=DOT_PREC)
-            b_ei = tl.exp(tl.where(m_ik, b_gi - b_gf[None, :], float("-inf")))
-            b_dq += b_ei * b_sum_q
-            b_r += b_ei * b_sum_r
-        # Later sub-chunks t, as rows: queries / keys scaled to this sub-chunk's last row.
-        if i_i < NC - 1:
-            b_gl = tl.load(gk + i_final * K + o_k, mask=m_k, other=0)
-            b_sum_k = tl.zeros([BC, BK], dtype=tl.float32)
-            b_sum_c = tl.zeros([BC, BK], dtype=tl.float32)
-            for t in range(i_i + 1, NC):
-                o_t = t * BC + tl.arange(0, BC)
-                m_t = o_t < chunk_len
-                m_tk = m_t[:, None] & m_k[None, :]
-                p_t = ((bos + t0 + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-                hv_rows_t = (bos + t0 + o_t) * HV + i_hv
-                b_qt = tl.load(q + p_t, mask=m_tk, other=0).to(tl.float32)
-                b_kt = tl.load(k + p_t, mask=m_tk, other=0).to(tl.float32)
-                b_gt = tl.load(gk + hv_rows_t[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-                b_beta_t = tl.load(beta + hv_rows_t, mask=m_t, other=0).to(tl.float32)
-                b_et = tl.exp(tl.where(m_tk, b_gt - b_gl[None, :], float("-inf")))
-                p_block = hv_rows_t[:, None] * BT + o_i[None, :]
-                m_block = m_t[:, None] & m_i[None, :]
-                b_sum_k += tl.dot(tl.trans(tl.load(dS + p_block, mask=m_block, other=0).to(dtype)),
-                                  (b_qt * b_et).to(dtype), input_precision=DOT_PREC)
-                b_sum_c += tl.dot(tl.trans(tl.load(dL + p_block, mask=m_block, other=0).to(dtype)),
-                                  (b_kt * b_et * b_beta_t[:, None]).to(dtype), input_precision=DOT_PREC)
-            b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
-            b_dks += b_ej * b_sum_k
-            b_cc += b_ej * b_sum_c
-        b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
-        b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
-        if within_span(b_rel, SPAN_LIMIT):
-            b_em = tl.exp(b_rel)
-            b_emi = tl.exp(-b_rel)
-            b_kt = (b_ki * b_emi).to(dtype)
-            b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=DOT_PREC) + b_p_self[:, None] * b_ki
-            b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=DOT_PREC)
-            b_dks += b_emi * tl.dot(tl.trans(b_p_diag), (b_qi * b_em).to(dtype), input_precision=DOT_PREC)
-            b_dks += b_p_self[:, None] * b_qi
-            b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
-                                   input_precision=DOT_PREC)
-        else:
-            for j in range(BC):
-                c = i_i * BC + j
-                m_j = m_k & (c < chunk_len)
-                p_j = ((bos + t0 + c) * H + i_h) * K + o_k
-                b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
-                b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
-                row_j = (bos + t0 + c) * HV + i_hv
-                b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
-                b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
-                # token c as the column: rows i >= c of this sub-chunk
-                b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
-                b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
-                b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
-                b_dq += b_p[:, None] * b_kj[None, :] * b_e
-                b_r += b_d[:, None] * b_kj[None, :] * b_e
-                # token c as the row: columns i <= c of this sub-chunk
-                m_cols = m_i & (o_i <= c) & (c < chunk_len)
-                b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
-                b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
-                b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
-                b_dks += b_p[:, None] * b_qj[None, :] * b_e
-                b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
-        b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
-        tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
-        b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)
-        tl.store(dq_out + p_gi, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
-        b_dk = b_dks + b_beta_i[:, None] * b_r + b_cc + tl.load(dk + p_gi, mask=m_ik, other=0)
-        tl.store(dk_out + p_gi, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
-        b_dbeta += tl.sum(b_ki * b_r, axis=1)
-    b_dbeta += tl.load(dbeta + rows_i, mask=m_i, other=0)
-    tl.store(dbeta_out + rows_i, b_dbeta.to(dbeta_out.dtype.element_ty), mask=m_i)
+        b_dbeta = tl.zeros([BC], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_ik = m_i[:, None] & m_k[None, :]
+            p_i = qk_rows_i[:, None] * K + o_k[None, :]
+            p_gi = rows_i[:, None] * K + o_k[None, :]
+            b_qi = tl.load(q + p_i, mask=m_ik, other=0).to(tl.float32)
+            b_ki = tl.load(k + p_i, mask=m_ik, other=0).to(tl.float32)
+            b_gi = tl.load(gk + p_gi, mask=m_ik, other=0)
+            b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+            b_dks = tl.zeros([BC, BK], dtype=tl.float32)
+            b_r = tl.zeros([BC, BK], dtype=tl.float32)
+            b_cc = tl.zeros([BC, BK], dtype=tl.float32)
+            # Earlier sub-chunks j, as columns, one [BC, BC] block of dS / dL at a time: keys scaled
+            # to this sub-chunk's first row, rows scaled from it (both factors <= 1).
+            if i_i > 0:
+                b_gf = tl.load(gk + i_first * K + o_k, mask=m_k, other=0)
+                b_sum_q = tl.zeros([BC, BK], dtype=tl.float32)
+                b_sum_r = tl.zeros([BC, BK], dtype=tl.float32)
+                for j in range(0, i_i):
+                    o_j = j * BC + tl.arange(0, BC)
+                    m_j = o_j < chunk_len
+                    m_jk = m_j[:, None] & m_k[None, :]
+                    b_kj = tl.load(k + ((bos + t0 + o_j) * H + i_h)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
+                    b_gj = tl.load(gk + ((bos + t0 + o_j) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_jk, other=0)
+                    b_kj = (b_kj.to(tl.float32) * tl.exp(tl.where(m_jk, b_gf[None, :] - b_gj, float("-inf")))).to(dtype)
+                    p_block = rows_i[:, None] * BT + o_j[None, :]
+                    m_block = m_i[:, None] & m_j[None, :]
+                    b_sum_q += tl.dot(tl.load(dS + p_block, mask=m_block, other=0).to(dtype), b_kj,
+                                      input_precision=DOT_PREC)
+                    b_sum_r += tl.dot(tl.load(dL + p_block, mask=m_block, other=0).to(dtype), b_kj,
+                                      input_precision=DOT_PREC)
+                b_ei = tl.exp(tl.where(m_ik, b_gi - b_gf[None, :], float("-inf")))
+                b_dq += b_ei * b_sum_q
+                b_r += b_ei * b_sum_r
+            # Later sub-chunks t, as rows: queries / keys scaled to this sub-chunk's last row.
+            if i_i < NC - 1:
+                b_gl = tl.load(gk + i_final * K + o_k, mask=m_k, other=0)
+                b_sum_k = tl.zeros([BC, BK], dtype=tl.float32)
+                b_sum_c = tl.zeros([BC, BK], dtype=tl.float32)
+                for t in range(i_i + 1, NC):
+                    o_t = t * BC + tl.arange(0, BC)
+                    m_t = o_t < chunk_len
+                    m_tk = m_t[:, None] & m_k[None, :]
+                    p_t = ((bos + t0 + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+                    hv_rows_t = (bos + t0 + o_t) * HV + i_hv
+                    b_qt = tl.load(q + p_t, mask=m_tk, other=0).to(tl.float32)
+                    b_kt = tl.load(k + p_t, mask=m_tk, other=0).to(tl.float32)
+                    b_gt = tl.load(gk + hv_rows_t[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+                    b_beta_t = tl.load(beta + hv_rows_t, mask=m_t, other=0).to(tl.float32)
+                    b_et = tl.exp(tl.where(m_tk, b_gt - b_gl[None, :], float("-inf")))
+                    p_block = hv_rows_t[:, None] * BT + o_i[None, :]
+                    m_block = m_t[:, None] & m_i[None, :]
+                    b_sum_k += tl.dot(tl.trans(tl.load(dS + p_block, mask=m_block, other=0).to(dtype)),
+                                      (b_qt * b_et).to(dtype), input_precision=DOT_PREC)
+                    b_sum_c += tl.dot(tl.trans(tl.load(dL + p_block, mask=m_block, other=0).to(dtype)),
+                                      (b_kt * b_et * b_beta_t[:, None]).to(dtype), input_precision=DOT_PREC)
+                b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
+                b_dks += b_ej * b_sum_k
+                b_cc += b_ej * b_sum_c
+            b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
+            b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
+            if within_span(b_rel, SPAN_LIMIT):
+                b_em = tl.exp(b_rel)
+                b_emi = tl.exp(-b_rel)
+                b_kt = (b_ki * b_emi).to(dtype)
+                b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=DOT_PREC) + b_p_self[:, None] * b_ki
+                b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=DOT_PREC)
+                b_dks += b_emi * tl.dot(tl.trans(b_p_diag), (b_qi * b_em).to(dtype), input_precision=DOT_PREC)
+                b_dks += b_p_self[:, None] * b_qi
+                b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
+                                       input_precision=DOT_PREC)
+            else:
+                for j in range(BC):
+                    c = i_i * BC + j
+                    m_j = m_k & (c < chunk_len)
+                    p_j = ((bos + t0 + c) * H + i_h) * K + o_k
+                    b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
+                    b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                    row_j = (bos + t0 + c) * HV + i_hv
+                    b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
+                    b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
+                    # token c as the column: rows i >= c of this sub-chunk
+                    b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
+                    b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
+                    b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
+                    b_dq += b_p[:, None] * b_kj[None, :] * b_e
+                    b_r += b_d[:, None] * b_kj[None, :] * b_e
+                    # token c as the row: columns i <= c of this sub-chunk
+                    m_cols = m_i & (o_i <= c) & (c < chunk_len)
+                    b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
+                    b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
+                    b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
+                    b_dks += b_p[:, None] * b_qj[None, :] * b_e
+                    b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
+            b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
+            tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
+            b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)
+            b_dk = b_dks + b_beta_i[:, None] * b_r + b_cc + tl.load(dk + p_gi, mask=m_ik, other=0)
+            p_acc = acc_rows_i[:, None] * K + o_k[None, :]
+            if i_g > 0:
+                b_dq += tl.load(dq + p_acc, mask=m_ik, other=0)
+                b_dk += tl.load(dk + p_acc, mask=m_ik, other=0)
+            if i_g == G - 1:
+                tl.store(dq_out + p_i, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
+                tl.store(dk_out + p_i, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
+            else:
+                tl.store(dq + p_acc, b_dq, mask=m_ik)
+                tl.store(dk + p_acc, b_dk, mask=m_ik)
+            b_dbeta += tl.sum(b_ki * b_r, axis=1)
+        b_dbeta += tl.load(dbeta + rows_i, mask=m_i, other=0)
+        tl.store(dbeta_out + rows_i, b_dbeta.to(dbeta_out.dtype.element_ty), mask=m_i)
+        if G > 1:  # the next head reads the sums just stored
+            tl.debug_barrier()
 
 
 def _output_buffer(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -360,7 +374,7 @@ def chunk_kda_bwd(
     from the forward) dht is the gradient of the `[N_global, ...]` final state, and dh0 comes
     back local (the op maps it to the user's tensor).
 
-    saved: at least Aqk, Akk, h and v_new from `chunk_kda_fwd`; with gk, w, qg, kg too
+    saved: at least Aqk, Akk, h, v_new and gk from `chunk_kda_fwd`; with w, qg, kg too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
     do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
     dqk_dtype: dtype of the returned dq, dk, q's by default; fp32 when a further backward
@@ -369,15 +383,14 @@ def chunk_kda_bwd(
     Returns dq, dk (`[B, T, H, K]`, dqk_dtype), dv (`[B, T, HV, V]`, v's dtype), dbeta
     (`[B, T, HV]`, beta's dtype), dg (`[B, T, HV, K]`, g's dtype), dh0 (fp32 or None), dA_log,
     ddt_bias (or None). Each is written in its dtype by the kernel that completes it, so no
-    separate cast runs (except after the fp32 group sum of dq, dk under GVA).
+    separate cast runs.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    Aqk, Akk, h, v_new = (saved[n] for n in ("Aqk", "Akk", "h", "v_new"))
+    Aqk, Akk, h, v_new, gk = (saved[n] for n in ("Aqk", "Akk", "h", "v_new", "gk"))
     if "w" in saved:
-        gk, w, qg, kg = (saved[n] for n in ("gk", "w", "qg", "kg"))
+        w, qg, kg = (saved[n] for n in ("w", "qg", "kg"))
     else:
-        gk = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices)
         w, _, qg, kg, _, _ = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=Aqk, Akk=Akk,
                                               compute_u=False)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
@@ -407,9 +420,11 @@ def chunk_kda_bwd(
     dv = torch.empty_like(v)
     dbeta_part = torch.empty_like(beta, dtype=torch.float32)
     dL = torch.empty_like(Akk)
-    # kda_bwd_intra completes dq, dk, dbeta: it writes them in their final dtype, except dq, dk
-    # under GVA, whose group sum follows in fp32
-    dq, dk = (_output_buffer(x, torch.float32 if HV > H else dqk_dtype) for x in (dq_part, dk_part))
+    # kda_bwd_intra completes dq, dk, dbeta in their final dtype (dq, dk summed over GVA groups)
+    if HV == H:
+        dq, dk = (_output_buffer(x, dqk_dtype) for x in (dq_part, dk_part))
+    else:
+        dq, dk = (q.new_empty(B, T, H, K, dtype=dqk_dtype) for _ in range(2))
     dbeta = _output_buffer(dbeta_part, beta.dtype)
     if NT * B * HV > 0:
         BK, BV = tiles("kda_bwd_wy_dqkg", K, V)
@@ -419,15 +434,13 @@ def chunk_kda_bwd(
             H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
             **launch_options("kda_bwd_wy_dqkg"),
         )
-        kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * HV)](
+        kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * H)](
             q, k, gk, beta, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens, chunk_indices, T,
             H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=tile("kda_bwd_intra", "BK", K),
             IS_VARLEN=is_varlen, DOT_PREC=prec,
             SPAN_LIMIT=span_limit(k.dtype),
             **launch_options("kda_bwd_intra"),
         )
-    if HV > H:
-        dq, dk = (x.view(B, T, H, HV // H, K).sum(3).to(dqk_dtype) for x in (dq, dk))
     dA_log = ddt_bias = None
     if use_gate_in_kernel:
         dg, dA_log, ddt_bias = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dgk, lower_bound, CHUNK_SIZE,
