@@ -7,6 +7,7 @@ printed as the `LAUNCH` entries to paste into cp_linattn/ops/launch.py, with a
 torch.profiler breakdown (CUDA time per kernel) before and after.
 
     python scripts/tune_launch.py --ops gla kda --T 32768 --json tune.json
+    python scripts/tune_launch.py --ops kda --T 32768 --varlen --no-sweep   # profile of the varlen batch
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 from triton.runtime.errors import OutOfResources
 
-from bench_ops import make_op
+from bench_ops import _varlen_cu_seqlens, make_op
 from cp_linattn.ops.launch import LAUNCH
 
 # The kernels each op launches in forward+backward, and the values tried for each setting.
@@ -32,9 +33,10 @@ OP_KERNELS = {
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 
 
-def warm_fwd_bwd_step(op: str, T: int) -> Callable[[], None]:
-    """One forward+backward of our `op`, already run once (compiled, warm)."""
-    fn, leaves = make_op(op, "ours", T, None)
+def warm_fwd_bwd_step(op: str, T: int, varlen: bool = False) -> Callable[[], None]:
+    """One forward+backward of our `op`, already run once (compiled, warm); with `varlen` on
+    bench_ops.py's packed batch of T tokens in documents of mixed lengths."""
+    fn, leaves = make_op(op, "ours", T, _varlen_cu_seqlens(T) if varlen else None)
     out = fn()
     do = torch.randn_like(out)
     out.backward(do)
@@ -63,9 +65,9 @@ def profile_kernels(step: Callable[[], object], reps: int = 5) -> list[tuple[str
     return sorted(rows, key=lambda r: -r[1])
 
 
-def kernel_profile(op: str, T: int) -> list[tuple[str, float, int]]:
+def kernel_profile(op: str, T: int, varlen: bool = False) -> list[tuple[str, float, int]]:
     """(kernel, CUDA ms per fwd+bwd, calls per fwd+bwd) sorted by time."""
-    return profile_kernels(warm_fwd_bwd_step(op, T))
+    return profile_kernels(warm_fwd_bwd_step(op, T, varlen))
 
 
 def print_profile(title: str, rows: list[tuple[str, float, int]]) -> None:
@@ -110,12 +112,17 @@ def main() -> None:
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--kernels", nargs="+", default=None, help="sweep only these (default: all of the op)")
     p.add_argument("--no-sweep", action="store_true", help="only print the profile")
+    p.add_argument("--varlen", action="store_true",
+                   help="profile bench_ops.py's packed varlen batch of T tokens (with --no-sweep)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(torch.cuda.get_device_name(), time.strftime("%Y-%m-%d"), "triton", triton.__version__)
     log: list = []
+    if args.varlen and not args.no_sweep:
+        p.error("--varlen profiles only: add --no-sweep")
     for op in args.ops:
-        print_profile(f"{op} T={args.T} (current settings)", kernel_profile(op, args.T))
+        title = f"{op} T={args.T}{' varlen' if args.varlen else ''} (current settings)"
+        print_profile(title, kernel_profile(op, args.T, args.varlen))
         if args.no_sweep:
             continue
         tune(op, args.T, [k for k in OP_KERNELS[op] if args.kernels is None or k in args.kernels], log)
