@@ -50,7 +50,7 @@ def _run_op(op: str, x: dict, extra: dict, options: dict, cu_seqlens, cp_context
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     params = {n: extra[n].clone().requires_grad_() for n in ("h0", "A_log", "dt_bias") if extra.get(n) is not None}
     kw = dict(initial_state=params.get("h0"), output_final_state=extra["dht"] is not None,
-              cu_seqlens=cu_seqlens, cp_context=cp_context)
+              cu_seqlens=cu_seqlens, cu_seqlens_cpu=options.get("cu_seqlens_cpu"), cp_context=cp_context)
     if op == "gla":
         o, ht = chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], **kw)
     else:
@@ -211,6 +211,8 @@ def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
         ("another rank's context", lambda: _run_op(op, local, extra, {}, None, dataclasses.replace(ctx, rank=1 - rank)),
          r"cp_context was built for rank"),
         ("local cu_seqlens", lambda: _run_op(op, local, extra, {}, ctx.cu_seqlens, ctx), r"cu_seqlens must be omitted"),
+        ("local cu_seqlens_cpu", lambda: _run_op(op, local, extra, dict(cu_seqlens_cpu=ctx.cu_seqlens_cpu), None, ctx),
+         r"cu_seqlens_cpu must be omitted"),
         ("not a context", lambda: _run_op(op, local, extra, {}, None, object()), r"cp_context must be an FLACPContext"),
     ]
     for what, call, pattern in bad_calls:
@@ -223,7 +225,7 @@ def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_bad_cp_calls_raise_on_every_rank(op):
     out = run_ranks(_bad_cp_calls, 2, op, timeout=300)
-    assert out[0] == out[1] and len(out[0]) == 5
+    assert out[0] == out[1] and len(out[0]) == 6
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -104,4 +104,5 @@ def test_cu_seqlens_checked_on_the_given_cpu_copy():
     cu = torch.tensor([0, 5, 10])
     assert check_cu_seqlens(cu, batch_size=1, seq_len=10, device=cu.device, cpu_copy=cu.clone()).tolist() == [0, 5, 10]
     with pytest.raises(ValueError, match="must end at T=10"):
-        check_cu_seqlens(cu, batch_size=1, seq_len=10, device=cu.device, cpu_copy=torch.tensor([0, 5, 9]))
+        check_cu_seqlens(torch.tensor([0, 5, 10]), batch_size=1, seq_len=10, device=cu.device,
+                         cpu_copy=torch.tensor([0, 5, 9]))

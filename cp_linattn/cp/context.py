@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from cp_linattn.cp.comm import all_gather_tensor, backend_for
-from cp_linattn.ops.utils import _fmt_shape, check_cu_seqlens, check_option
+from cp_linattn.ops.utils import _fmt_shape, check_cu_seqlens, check_option, host_offsets
 
 COMM_MODES = ("all_gather", "send_recv")
 
@@ -394,11 +394,12 @@ def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.T
     return torch.cat([rows[r, :n] for r, n in enumerate(context.split)]).movedim(0, dim)
 
 
-def check_cp_call(context, cu_seqlens, **tensors: torch.Tensor) -> torch.Tensor:
+def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Tensor) -> torch.Tensor:
     """Validate an op call under `context` and return the LOCAL cu_seqlens to run with.
 
-    Each tensor must be this rank's shard (`[1, end - start, ...]`); `cu_seqlens`, if the
-    caller passes one, must be the global offsets the context was built from; the context
+    Each tensor must be this rank's shard (`[1, end - start, ...]`); `cu_seqlens` and
+    `cu_seqlens_cpu`, if the caller passes them, must be the global offsets the context was
+    built from (on its device / on the CPU); the context
     must have been built on this process for its group (a context handed between ranks or
     groups would silently compute another rank's slice).
     """
@@ -416,10 +417,14 @@ def check_cp_call(context, cu_seqlens, **tensors: torch.Tensor) -> torch.Tensor:
         context.check_local(x, name)
         if x.device != context.device:
             raise ValueError(f"{name} must be on the cp_context device {context.device}, got {x.device}")
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or not torch.equal(cu_seqlens.detach().cpu(), context.global_cu_seqlens_cpu):
+    for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if x is None:
+            continue
+        host = host_offsets(x) if isinstance(x, torch.Tensor) and x.dtype == torch.int64 else None
+        if host is None or name == "cu_seqlens_cpu" and x.device.type != "cpu" \
+                or not torch.equal(host, context.global_cu_seqlens_cpu):
             raise ValueError(
-                "cu_seqlens must be omitted under cp_context (the context carries the local offsets) or equal the "
+                f"{name} must be omitted under cp_context (the context carries the local offsets) or equal the "
                 f"global offsets it was built from, {context.global_cu_seqlens_cpu.tolist()}"
             )
     return context.cu_seqlens

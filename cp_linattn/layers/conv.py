@@ -11,12 +11,14 @@ import torch.nn.functional as F
 
 from cp_linattn.cp.conv import conv_halo
 from cp_linattn.layers.common import local_cu_seqlens
+from cp_linattn.ops.utils import host_offsets
 
 if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
 
 
-def _steps_since_start(cu_seqlens: torch.Tensor | None, T: int, first_continues: bool, width: int) -> torch.Tensor:
+def _steps_since_start(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, T: int,
+                       first_continues: bool, width: int) -> torch.Tensor:
     """`[T]` int64: how many earlier tokens of its own sequence each token may read.
 
     Tokens of a sequence that began on an earlier rank may read up to W-1 halo rows (which
@@ -25,7 +27,7 @@ def _steps_since_start(cu_seqlens: torch.Tensor | None, T: int, first_continues:
     pos = torch.arange(T)
     if cu_seqlens is None:
         return pos
-    cu = cu_seqlens.detach().cpu()
+    cu = host_offsets(cu_seqlens, cu_seqlens_cpu)
     seq = torch.bucketize(pos, cu[1:], right=True)
     since = pos - cu[seq]
     if first_continues:
@@ -64,7 +66,8 @@ class ShortConvolution(nn.Module):
         else:
             halo = x.new_zeros(B, n, D)
         x_ext = torch.cat([halo, x], dim=1)
-        since = _steps_since_start(cu_seqlens, T, cp_context is not None and cp_context.pre_num_ranks > 0, self.width)
+        since = _steps_since_start(cu_seqlens, cp_context.cu_seqlens_cpu if cp_context else None, T,
+                                   cp_context is not None and cp_context.pre_num_ranks > 0, self.width)
         since = since.to(x.device)
         w = self.weight.to(x.dtype)
         out = x * w[:, n]

@@ -6,7 +6,8 @@ value and the actual one, identically on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,13 +46,60 @@ def check_tensor(
         raise ValueError(f"{name} must be on device {device} (the device of q), got {x.device}")
 
 
+@dataclass
+class _PackedOffsets:
+    """What every op of one packed batch shares: the host copy of its offsets and its chunk tables."""
+
+    ref: weakref.ref
+    version: int
+    cpu: torch.Tensor
+    chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+# Keyed by id(cu_seqlens); an entry goes with its tensor (weakref callback) and is rebuilt after
+# an in-place change of the tensor (its version counter moves).
+_PACKED_OFFSETS: dict[int, _PackedOffsets] = {}
+
+
+def _packed_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None) -> _PackedOffsets | None:
+    """The cache entry of `cu_seqlens`, made on first use from `cpu_copy` or, without one, from
+    one device read-back: so a model's layers, forward and backward, wait for the device at most
+    once per batch, not once per op. None for inference tensors (no version counter)."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:
+        return None
+    key = id(cu_seqlens)
+    entry = _PACKED_OFFSETS.get(key)
+    if entry is not None and entry.ref() is cu_seqlens and entry.version == version:
+        return entry
+    cpu = cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
+    entry = _PackedOffsets(weakref.ref(cu_seqlens, lambda _, key=key: _PACKED_OFFSETS.pop(key, None)), version, cpu)
+    _PACKED_OFFSETS[key] = entry
+    return entry
+
+
+def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of `cu_seqlens` on the CPU, read back from its device once per tensor (and
+    after each in-place change), not on every call. `cpu_copy`: the same values already on the
+    CPU; it replaces the read-back and must agree with an earlier one of the same tensor."""
+    entry = _packed_offsets(cu_seqlens, cpu_copy)
+    if entry is None:
+        return cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
+    if cpu_copy is not None and cpu_copy is not entry.cpu and not torch.equal(cpu_copy, entry.cpu):
+        raise ValueError(f"cu_seqlens_cpu must hold the values of cu_seqlens {entry.cpu.tolist()}, "
+                         f"got {cpu_copy.tolist()}")
+    return entry.cpu
+
+
 def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch.device,
                      cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
     """Validate packed-varlen offsets and return them as a CPU int64 tensor.
 
     cu_seqlens: int64 `[N + 1]`, starting at 0, non-decreasing, ending at T; requires B == 1.
-    cpu_copy: the same offsets already on the CPU (a CP context keeps one), read instead of
-    copying cu_seqlens back, which would wait for the device.
+    cpu_copy: the same offsets already on the CPU (the `cu_seqlens_cpu` argument of the ops, or
+    a CP context's copy), read instead of copying cu_seqlens back, which would wait for the
+    device. Without it the copy is read back once per cu_seqlens tensor (`host_offsets`).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -63,7 +111,14 @@ def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch
         raise ValueError(f"cu_seqlens must be on device {device} (the device of q), got {cu_seqlens.device}")
     if batch_size != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (a packed batch), got B={batch_size}")
-    cpu = cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
+    if cpu_copy is not None:
+        if not isinstance(cpu_copy, torch.Tensor):
+            raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor, got {type(cpu_copy).__name__}")
+        if cpu_copy.device.type != "cpu" or cpu_copy.dtype != torch.int64 or cpu_copy.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must be an int64 CPU tensor of cu_seqlens' shape "
+                             f"{_fmt_shape(cu_seqlens.shape)}, got {_fmt_shape(cpu_copy.shape)} "
+                             f"{str(cpu_copy.dtype).replace('torch.', '')} on {cpu_copy.device}")
+    cpu = host_offsets(cu_seqlens, cpu_copy)
     if int(cpu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
     if bool((cpu[1:] < cpu[:-1]).any()):
@@ -186,10 +241,17 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
 def prepare_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
                           chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(`prepare_chunk_indices`, `prepare_chunk_offsets`) on cu_seqlens' device, built on the
-    host from its CPU copy: no read-back of device offsets, so the host never waits for the GPU."""
+    host from its CPU copy (no read-back of device offsets, so the host never waits for the
+    GPU), once per cu_seqlens tensor and chunk size: the ops of one batch share them."""
+    entry = _packed_offsets(cu_seqlens, cu_seqlens_cpu)
+    if entry is not None and chunk_size in entry.chunk_tables:
+        return entry.chunk_tables[chunk_size]
     device = cu_seqlens.device
-    return (prepare_chunk_indices(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True),
-            prepare_chunk_offsets(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True))
+    tables = (prepare_chunk_indices(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True),
+              prepare_chunk_offsets(cu_seqlens_cpu, chunk_size).to(device, non_blocking=True))
+    if entry is not None:
+        entry.chunk_tables[chunk_size] = tables
+    return tables
 
 
 def sequence_spans(dims: Dims) -> list[tuple[int, int, int]]:

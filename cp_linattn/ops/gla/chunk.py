@@ -437,6 +437,7 @@ def chunk_gla(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
     cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated Linear Attention with chunked Triton kernels (forward and backward).
@@ -449,6 +450,9 @@ def chunk_gla(
             sequences of `cu_seqlens`.
         output_final_state: also return the fp32 final states `[N, H, K, V]`.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cu_seqlens_cpu: the same offsets on the CPU, to spare the one device-to-host read of
+            cu_seqlens. Without it that read happens once per cu_seqlens tensor (and again after
+            an in-place change of it), not once per call: the layers of a model share it.
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): q, k, v, g are this
             rank's shard `[1, end - start, ...]` of the global packed batch, and the result is
             exactly this rank's slice of the single-rank result. `cu_seqlens` is then taken
@@ -464,9 +468,9 @@ def chunk_gla(
         o `[B, T, H, V]` in q's dtype, and the final state (fp32 `[N, H, K, V]`) or None.
     """
     if cp_context is not None:
-        cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g)
+        cu_seqlens = check_cp_call(cp_context, cu_seqlens, cu_seqlens_cpu, q=q, k=k, v=v, g=g)
     dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else None)
+                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu)
     if cp_context is not None and initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.H, dims.K, dims.V),
                      device=q.device)

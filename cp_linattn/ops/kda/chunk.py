@@ -125,6 +125,7 @@ def chunk_kda(
     disable_recompute: bool = False,
     state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
     cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention, chunked: `S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T`,
@@ -153,6 +154,9 @@ def chunk_kda(
             second state pass and a pass over g.
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cu_seqlens_cpu: the same offsets on the CPU, to spare the one device-to-host read of
+            cu_seqlens. Without it that read happens once per cu_seqlens tensor (and again after
+            an in-place change of it), not once per call: the layers of a model share it.
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor
             argument is this rank's shard `[1, end - start, ...]` of the global packed batch and
             the result is exactly this rank's slice of the single-rank result, for every option.
@@ -174,9 +178,9 @@ def chunk_kda(
         o `[B, T, HV, V]` in v's dtype and the final state (fp32) or None.
     """
     if cp_context is not None:
-        cu_seqlens = check_cp_call(cp_context, cu_seqlens, q=q, k=k, v=v, g=g, beta=beta)
+        cu_seqlens = check_cp_call(cp_context, cu_seqlens, cu_seqlens_cpu, q=q, k=k, v=v, g=g, beta=beta)
     dims = check_inputs(q, k, v, g, beta, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else None,
+                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu,
                         allow_gva=True, state_v_first=state_v_first)
     if cp_context is not None and initial_state is not None:
         shape = (dims.V, dims.K) if state_v_first else (dims.K, dims.V)

@@ -1,0 +1,127 @@
+"""The host copy of cu_seqlens: read from the device once per tensor, shared by every op of a
+batch, rebuilt after an in-place change; `cu_seqlens_cpu` replaces the read-back."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from cp_linattn import chunk_gla, chunk_kda
+from cp_linattn.ops.gla.naive import naive_recurrent_gla
+from cp_linattn.ops.utils import _PACKED_OFFSETS, host_offsets, prepare_varlen_chunks
+from tests.conftest import requires_cuda
+
+
+@pytest.fixture
+def count_readbacks(monkeypatch):
+    """Counts Tensor.cpu() calls (the device-to-host read of the offsets)."""
+    calls = []
+    original = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    return calls
+
+
+def _gla_inputs(T, H=2, K=16, V=16, device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, T, H, d, generator=gen) for d in (K, K, V))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen))
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v, g)]
+
+
+def test_read_back_once_per_tensor(count_readbacks):
+    cu = torch.tensor([0, 30, 100])
+    first = host_offsets(cu)
+    assert host_offsets(cu) is first and len(count_readbacks) == 1
+    tables = prepare_varlen_chunks(cu, first, 64)
+    assert all(a is b for a, b in zip(prepare_varlen_chunks(cu, first, 64), tables))
+    # an in-place change of the offsets is seen: new copy, new chunk tables
+    cu.copy_(torch.tensor([0, 70, 100]))
+    assert host_offsets(cu).tolist() == [0, 70, 100] and len(count_readbacks) == 2
+    indices, offsets = prepare_varlen_chunks(cu, host_offsets(cu), 64)
+    assert indices.tolist() == [[0, 0], [0, 1], [1, 0]] and offsets.tolist() == [0, 2, 3]
+
+
+def test_given_cpu_copy_spares_the_read_back(count_readbacks):
+    cu = torch.tensor([0, 30, 100])
+    assert host_offsets(cu, torch.tensor([0, 30, 100])).tolist() == [0, 30, 100]
+    assert not count_readbacks
+
+
+def test_entry_goes_with_its_tensor():
+    cu = torch.tensor([0, 30, 100])
+    key = id(cu)
+    host_offsets(cu)
+    assert key in _PACKED_OFFSETS
+    del cu
+    gc.collect()
+    assert key not in _PACKED_OFFSETS
+
+
+def test_ops_follow_an_in_place_change_of_the_offsets():
+    """A stale host copy would run the second call with the first batch's sequence bounds."""
+    q, k, v, g = _gla_inputs(100)
+    cu = torch.tensor([0, 30, 100])
+    chunk_gla(q, k, v, g, cu_seqlens=cu)
+    cu.copy_(torch.tensor([0, 70, 100]))
+    o, _ = chunk_gla(q, k, v, g, cu_seqlens=cu)
+    ref, _ = naive_recurrent_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 70, 100]))
+    assert torch.allclose(o, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_cu_seqlens_cpu_gives_the_same_result(count_readbacks):
+    q, k, v, g = _gla_inputs(100)
+    beta = torch.rand(1, 100, 2)
+    cu = torch.tensor([0, 30, 100])
+    ref, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu.clone())
+    n = len(count_readbacks)
+    o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 30, 100]))
+    assert torch.equal(o, ref) and len(count_readbacks) == n
+
+
+@pytest.mark.parametrize(
+    "cpu_copy, exc, match",
+    [
+        (torch.tensor([0, 40, 100]), ValueError, r"cu_seqlens_cpu must hold the values of cu_seqlens \[0, 30, 100\]"),
+        (torch.tensor([0, 30, 100], dtype=torch.int32), ValueError, r"cu_seqlens_cpu must be an int64 CPU tensor"),
+        (torch.tensor([0, 100]), ValueError, r"cu_seqlens_cpu must be an int64 CPU tensor of cu_seqlens' shape \[3\]"),
+        ([0, 30, 100], TypeError, r"cu_seqlens_cpu must be a torch.Tensor, got list"),
+    ],
+)
+def test_bad_cu_seqlens_cpu(cpu_copy, exc, match):
+    q, k, v, g = _gla_inputs(100)
+    cu = torch.tensor([0, 30, 100])
+    host_offsets(cu)
+    with pytest.raises(exc, match=match):
+        chunk_gla(q, k, v, g, cu_seqlens=cu, cu_seqlens_cpu=cpu_copy)
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", ["gla", "kda"])
+def test_gpu_varlen_steps_never_wait_for_the_device(op):
+    """After the first call on a batch, forward and backward of a varlen call never
+    synchronise with the device (torch raises on any synchronising call in this mode)."""
+    q, k, v, g = (x.requires_grad_() for x in _gla_inputs(1000, K=64, V=64, device="cuda", dtype=torch.bfloat16))
+    beta = torch.rand(1, 1000, 2, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    cu = torch.tensor([0, 300, 301, 1000], device="cuda")
+
+    def step():
+        if op == "gla":
+            o, _ = chunk_gla(q, k, v, g, cu_seqlens=cu)
+        else:
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        o.sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
