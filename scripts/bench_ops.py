@@ -60,10 +60,15 @@ def make_op(name: str, lib: str, T: int, cu_seqlens):
     HV = 2 * H if "gva" in name else H
     q, k, v, g, beta = _inputs(name, T, HV)
     extra = {}
-    if name == "kda_gate":
+    if name.startswith("kda_gate"):
         g = torch.randn_like(g)
-        extra = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, device="cuda"),
-                     dt_bias=torch.randn(HV * K, device="cuda"))
+        if name == "kda_gate":  # strong decays, up to -29 per token: many diagonal blocks take the exact path
+            A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
+        else:  # cp_linattn.layers.KDA's initialisation (decay rates in [1, 16], dt in [1e-3, 1e-1])
+            A_log = torch.empty(HV).uniform_(1, 16).log()
+            dt = torch.empty(HV * K).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+            dt_bias = dt + torch.log(-torch.expm1(-dt))
+        extra = dict(use_gate_in_kernel=True, A_log=A_log.cuda(), dt_bias=dt_bias.cuda())
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
     if name == "sdpa":
         qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
@@ -153,6 +158,7 @@ CASES = {
     "kda": [("kda", "ours"), ("kda", "fla")],
     "kda_gva": [("kda_gva", "ours"), ("kda_gva", "fla")],
     "kda_gate": [("kda_gate", "ours"), ("kda_gate", "fla")],
+    "kda_gate_init": [("kda_gate_init", "ours"), ("kda_gate_init", "fla")],
     "sdpa": [("sdpa", "torch")],
 }
 

@@ -304,19 +304,21 @@ def kda_bwd_intra_kernel(
                     row_j = (bos + t0 + c) * HV + i_hv
                     b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
                     b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
-                    # token c as the column: rows i >= c of this sub-chunk
+                    # One exponent per pair serves both sides: gk is non-increasing, so
+                    # -|gk_i - gk_c| is gk_i - gk_c for the rows i >= c (token c as their column)
+                    # and gk_c - gk_i for i <= c (token c as their row); the masked loads of dS, dL
+                    # below keep each side to its own triangle.
+                    b_e = tl.exp(tl.where(m_i[:, None] & m_j[None, :], -tl.abs(b_gi - b_gj[None, :]), float("-inf")))
+                    b_ke = b_kj[None, :] * b_e
                     b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
                     b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
-                    b_e = tl.exp(tl.where(((o_i >= c) & m_i)[:, None] & m_j[None, :], b_gi - b_gj[None, :], float("-inf")))
-                    b_dq += b_p[:, None] * b_kj[None, :] * b_e
-                    b_r += b_d[:, None] * b_kj[None, :] * b_e
-                    # token c as the row: columns i <= c of this sub-chunk
+                    b_dq += b_p[:, None] * b_ke
+                    b_r += b_d[:, None] * b_ke
                     m_cols = m_i & (o_i <= c) & (c < chunk_len)
                     b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
                     b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
-                    b_e = tl.exp(tl.where(m_cols[:, None] & m_j[None, :], b_gj[None, :] - b_gi, float("-inf")))
-                    b_dks += b_p[:, None] * b_qj[None, :] * b_e
-                    b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
+                    b_dks += b_p[:, None] * (b_qj[None, :] * b_e)
+                    b_cc += (b_d * b_beta_j)[:, None] * b_ke
             b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
             tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
             b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)
