@@ -125,3 +125,14 @@ def test_gpu_varlen_steps_never_wait_for_the_device(op):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_inference_mode_offsets_are_read_each_call():
+    """Inference tensors carry no version counter: nothing is cached for them, every call reads them."""
+    q, k, v, g = _gla_inputs(100)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 30, 100])
+        o, _ = chunk_gla(q, k, v, g, cu_seqlens=cu)
+        assert id(cu) not in _PACKED_OFFSETS
+    ref, _ = naive_recurrent_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 30, 100]))
+    assert torch.allclose(o, ref, rtol=1e-4, atol=1e-4)
