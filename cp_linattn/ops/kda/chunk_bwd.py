@@ -309,16 +309,15 @@ def kda_bwd_intra_kernel(
                     # and gk_c - gk_i for i <= c (token c as their row); the masked loads of dS, dL
                     # below keep each side to its own triangle.
                     b_e = tl.exp(tl.where(m_i[:, None] & m_j[None, :], -tl.abs(b_gi - b_gj[None, :]), float("-inf")))
-                    b_ke = b_kj[None, :] * b_e
                     b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
                     b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
-                    b_dq += b_p[:, None] * b_ke
-                    b_r += b_d[:, None] * b_ke
+                    b_dq += b_p[:, None] * b_kj[None, :] * b_e
+                    b_r += b_d[:, None] * b_kj[None, :] * b_e
                     m_cols = m_i & (o_i <= c) & (c < chunk_len)
                     b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
                     b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
-                    b_dks += b_p[:, None] * (b_qj[None, :] * b_e)
-                    b_cc += (b_d * b_beta_j)[:, None] * b_ke
+                    b_dks += b_p[:, None] * b_qj[None, :] * b_e
+                    b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
             b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
             tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
             b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)
