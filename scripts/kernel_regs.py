@@ -1,0 +1,79 @@
+"""Registers and spills of the KDA chunk kernels for the H200 (sm_90a), without a GPU.
+
+Compiles each kernel with the launch settings of `cp_linattn/ops/launch.py` for the
+benchmark's shapes (bf16, H=16, K=V=128) through Triton's front end and its bundled
+`ptxas -v`, and prints what ptxas reports. The spill figures are static (bytes per thread
+of spill instructions anywhere in the kernel, taken or not), a first check of a change's
+register pressure before it is timed on the GPU.
+
+Needs a Triton of the GPU machine's version (3.6.0 there) with its NVIDIA backend:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:. python scripts/kernel_regs.py --HV 16 32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cp_linattn.ops.kda.chunk_bwd import kda_bwd_intra_kernel
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd_kernel
+from cp_linattn.ops.launch import LAUNCH, launch_options
+
+H, K, V = 16, 128, 128
+# Argument types by name (bf16 inputs and outputs, fp32 gate cumsum and chunk matrices).
+TYPES = {
+    "q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "w": "*bf16", "u": "*bf16", "qg": "*bf16",
+    "kg": "*bf16", "dq_out": "*bf16", "dk_out": "*bf16", "dbeta_out": "*bf16",
+    "gk": "*fp32", "Aqk": "*fp32", "Akk": "*fp32", "dS": "*fp32", "dL": "*fp32", "dq": "*fp32", "dk": "*fp32",
+    "dg": "*fp32", "dbeta": "*fp32",
+    "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
+}
+KERNELS = {
+    "kda_intra_wy_fwd": (kda_intra_wy_fwd_kernel,
+                         lambda HV: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+                                         BK=LAUNCH["kda_intra_wy_fwd"]["BK"], BV=LAUNCH["kda_intra_wy_fwd"]["BV"],
+                                         COMPUTE_A=True, COMPUTE_U=True)),
+    "kda_bwd_intra": (kda_bwd_intra_kernel,
+                      lambda HV: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+                                      BK=LAUNCH["kda_bwd_intra"]["BK"])),
+}
+
+
+def ptxas_report(kernel: str, HV: int, varlen: bool) -> str:
+    fn, constexprs = KERNELS[kernel]
+    const = dict(constexprs(HV), IS_VARLEN=varlen, DOT_PREC="tf32", SPAN_LIMIT=40.0)
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in const else TYPES[n] for n in names}
+    src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(kernel))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True)
+    os.unlink(f.name)
+    return "; ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
+                     if "registers" in line or "spill" in line)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--HV", type=int, nargs="+", default=[16], help="value heads (H = 16; 32 is GVA)")
+    args = p.parse_args()
+    print(f"triton {triton.__version__}, sm_90a, bf16, H={H}, K=V={K}")
+    for kernel in args.kernels:
+        for HV in args.HV:
+            for varlen in (False, True):
+                print(f"{kernel} HV={HV}{' varlen' if varlen else ''}: {ptxas_report(kernel, HV, varlen)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
