@@ -182,6 +182,8 @@ def main() -> None:
         print((out / "results.md").read_text())
         return
     bw = _measure_copy_bandwidth()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"))
     rows = []
     for group in args.groups:
         for T in args.T + ([None] if group != "sdpa" and args.varlen_total > 0 else []):
@@ -197,11 +199,10 @@ def main() -> None:
                     row = dict(op=name, lib=lib, T=T, varlen=cu is not None, error=f"{type(e).__name__}: {e}"[:300])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                # rewritten after every row: a run stopped by a time limit keeps what it measured
+                (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                (out / "results.md").write_text(_markdown(rows, meta))
                 torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"))
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out / "results.md").write_text(_markdown(rows, meta))
     _plot(rows, out / "throughput.png")
     print((out / "results.md").read_text())
 

@@ -1,0 +1,46 @@
+"""The host side of scripts/bench_ops.py (its measurements need a GPU): tables and plot from
+stored rows, and the byte/FLOP counts of every benchmarked op."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_ops():
+    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "scripts" / "bench_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_stored_rows(bench_ops, tmp_path, monkeypatch):
+    """--render rebuilds the table (ratios against FLA of the same shape) and the plot from a
+    results.json and from the JSON lines of a run cut short."""
+    stored = json.loads((ROOT / "benchmarks" / "ops.json").read_text())
+    row = dict(op="kda_gate_init", lib="ours", T=32768, varlen=False, fwd_ms=3.0, fwd_bwd_ms=8.0, peak_mib=1.0,
+               tokens_per_s=4e6, fwd_bwd_TFLOPs=30.0, fwd_bwd_GBps=300.0)
+    fla = dict(row, lib="fla", fwd_bwd_ms=12.0)
+    (tmp_path / "cut.log").write_text("starting\n" + "\n".join(json.dumps(r) for r in (row, fla)) + "\n")
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    monkeypatch.setattr(sys, "argv", ["bench_ops.py", "--render", str(tmp_path / "results.json"),
+                                      str(tmp_path / "cut.log"), "--out", str(tmp_path / "out")])
+    bench_ops.main()
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| kda_gate_init | ours | 32768 | 3.000 | 8.000 | 1.50x |" in table
+    assert table.count("\n| ") == len(stored["rows"]) + 3  # header, rule, stored rows, two new rows
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("group", ["gla", "kda", "kda_gva", "kda_gate", "kda_gate_init", "sdpa"])
+def test_counts_of_every_case(bench_ops, group):
+    for name, _ in bench_ops.CASES[group]:
+        assert bench_ops._flops(name, 4096, False) > bench_ops._flops(name, 4096, True) > 0
+        if name != "sdpa":
+            assert bench_ops._bytes_moved(name, 4096, False) > bench_ops._bytes_moved(name, 4096, True) > 0
