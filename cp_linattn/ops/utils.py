@@ -82,7 +82,11 @@ def _packed_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None) -> 
 def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
     """The values of `cu_seqlens` on the CPU, read back from its device once per tensor (and
     after each in-place change), not on every call. `cpu_copy`: the same values already on the
-    CPU; it replaces the read-back and must agree with an earlier one of the same tensor."""
+    CPU; it replaces the read-back and must agree with an earlier one of the same tensor.
+
+    In-place changes are seen through the tensor's version counter; writes that bypass it
+    (through `.data`, or into memory shared with another framework) are not: give such offsets
+    as a new tensor each time, or pass `cpu_copy`, which is checked against the cached values."""
     entry = _packed_offsets(cu_seqlens, cpu_copy)
     if entry is None:
         return cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
