@@ -64,10 +64,9 @@ def make_op(name: str, lib: str, T: int, cu_seqlens):
         g = torch.randn_like(g)
         if name == "kda_gate":  # strong decays, up to -29 per token: many diagonal blocks take the exact path
             A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
-        else:  # cp_linattn.layers.KDA's initialisation (decay rates in [1, 16], dt in [1e-3, 1e-1])
-            A_log = torch.empty(HV).uniform_(1, 16).log()
-            dt = torch.empty(HV * K).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
-            dt_bias = dt + torch.log(-torch.expm1(-dt))
+        else:  # as the KDA layer initialises them (decay rates in [1, 16], dt in [1e-3, 1e-1])
+            from cp_linattn.layers.kda import init_gate_parameters
+            A_log, dt_bias = init_gate_parameters(HV, K)
         extra = dict(use_gate_in_kernel=True, A_log=A_log.cuda(), dt_bias=dt_bias.cuda())
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
     if name == "sdpa":

@@ -421,7 +421,7 @@ def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Ten
         if x is None:
             continue
         host = host_offsets(x) if isinstance(x, torch.Tensor) and x.dtype == torch.int64 else None
-        if host is None or name == "cu_seqlens_cpu" and x.device.type != "cpu" \
+        if host is None or (name == "cu_seqlens_cpu" and x.device.type != "cpu") \
                 or not torch.equal(host, context.global_cu_seqlens_cpu):
             raise ValueError(
                 f"{name} must be omitted under cp_context (the context carries the local offsets) or equal the "

@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
 
 
+def init_gate_parameters(n_v_heads: int, head_k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-kernel gate's parameters as the layer initialises them: A_log fp32 `[n_v_heads]`
+    with decay rates exp(A_log) spread over [1, 16], and dt_bias fp32 `[n_v_heads * head_k_dim]`,
+    the inverse softplus of a dt log-uniform in [1e-3, 1e-1]."""
+    A_log = torch.empty(n_v_heads).uniform_(1, 16).log()
+    dt = torch.empty(n_v_heads * head_k_dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+    return A_log, dt + torch.log(-torch.expm1(-dt))
+
+
 class KimiDeltaAttention(nn.Module):
     """q/k/v projections through a short causal conv + SiLU, a low-rank per-channel forget
     gate applied in the kernel (`-exp(A_log) * softplus(f + dt_bias)`), `beta = sigmoid(b x)`,
@@ -52,10 +61,8 @@ class KimiDeltaAttention(nn.Module):
             nn.Linear(d_model, head_v_dim, bias=False), nn.Linear(head_v_dim, n_v_heads * head_k_dim, bias=False)
         )
         self.b_proj = nn.Linear(d_model, n_v_heads, bias=False)
-        # decay rates spread over [1, 16] per head, and dt in [1e-3, 1e-1] (inverse softplus)
-        self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(1, 16).log())
-        dt = torch.empty(n_v_heads * head_k_dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        A_log, dt_bias = init_gate_parameters(n_v_heads, head_k_dim)
+        self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
         self.g_proj = nn.Sequential(
             nn.Linear(d_model, head_v_dim, bias=False), nn.Linear(head_v_dim, value_dim, bias=True)
         )
