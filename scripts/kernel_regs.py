@@ -33,7 +33,7 @@ TYPES = {
     "kg": "*bf16", "dq_out": "*bf16", "dk_out": "*bf16", "dbeta_out": "*bf16",
     "gk": "*fp32", "Aqk": "*fp32", "Akk": "*fp32", "dS": "*fp32", "dL": "*fp32", "dq": "*fp32", "dk": "*fp32",
     "dg": "*fp32", "dbeta": "*fp32",
-    "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
+    "wide": "*i32", "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
 }
 KERNELS = {
     "kda_intra_wy_fwd": (kda_intra_wy_fwd_kernel,
@@ -46,9 +46,9 @@ KERNELS = {
 }
 
 
-def ptxas_report(kernel: str, HV: int, varlen: bool) -> str:
+def ptxas_report(kernel: str, HV: int, varlen: bool, wide: bool) -> str:
     fn, constexprs = KERNELS[kernel]
-    const = dict(constexprs(HV), IS_VARLEN=varlen, DOT_PREC="tf32", SPAN_LIMIT=40.0)
+    const = dict(constexprs(HV), IS_VARLEN=varlen, DOT_PREC="tf32", WIDE=wide)
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in const else TYPES[n] for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
@@ -72,7 +72,9 @@ def main() -> None:
     for kernel in args.kernels:
         for HV in args.HV:
             for varlen in (False, True):
-                print(f"{kernel} HV={HV}{' varlen' if varlen else ''}: {ptxas_report(kernel, HV, varlen)}", flush=True)
+                for wide in (False, True):
+                    name = f"{kernel} HV={HV}{' varlen' if varlen else ''} {'exact' if wide else 'dot'} diagonal"
+                    print(f"{name}: {ptxas_report(kernel, HV, varlen, wide)}", flush=True)
 
 
 if __name__ == "__main__":

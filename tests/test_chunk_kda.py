@@ -162,6 +162,18 @@ def test_both_diagonal_paths_in_one_call(disable_recompute):
     assert_close(run_both(inp, cu_seqlens=cu, disable_recompute=disable_recompute))
 
 
+def test_gva_group_with_one_wide_value_head():
+    """One value head of a GVA group beyond the span limit from the second chunk on: the
+    group's sub-chunks take the exact launch of the intra backward for both of its heads,
+    while the WY forward splits the heads."""
+    inp = make_inputs(T=150, H=2, HV=4, gate="log")
+    inp["g"][:, 64:, 1] *= 20.0
+    spans = diagonal_block_spans(inp["g"][..., 1, :])
+    assert (spans[0] <= 40.0) and (spans[1:] > 40.0).all(), spans
+    assert (diagonal_block_spans(inp["g"][..., 0, :]) <= 40.0).all()
+    assert_close(run_both(inp))
+
+
 def test_varlen_gva_gate_in_kernel_states_l2norm():
     cu = torch.tensor([0, 37, 37, 38, 100, 150], dtype=torch.long)
     inp = make_inputs(T=150, H=1, HV=2, N=5, gate="raw", normalise_k=False)

@@ -24,3 +24,57 @@ def test_chunk_local_cumsum_matches_loop(reverse, cu):
     cu_t = None if cu is None else torch.tensor(cu)
     y = chunk_local_cumsum(x, 16, reverse=reverse, cu_seqlens=cu_t)
     torch.testing.assert_close(y, _reference(x, 16, reverse, cu), rtol=1e-5, atol=1e-5)
+
+
+def _wide_reference(gk, chunk, block, limit, cu):
+    """int32 `[NT_all, H]`: bit s of (chunk, head) set when |gk - gk_mid| exceeds `limit` in
+    diagonal block s (mid its middle row, clipped to the chunk)."""
+    spans = [(b, 0, gk.shape[1]) for b in range(gk.shape[0])] if cu is None else [
+        (0, int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
+    rows = []
+    for b, s, e in spans:
+        for c in range(s, e, chunk):
+            piece = gk[b, c:min(c + chunk, e)]
+            bits = torch.zeros(gk.shape[2], dtype=torch.int32)
+            for i, r in enumerate(range(0, piece.shape[0], block)):
+                mid = min(r + block // 2, piece.shape[0] - 1)
+                too_wide = (piece[r:r + block] - piece[mid:mid + 1]).abs().amax(dim=(0, 2)) > limit
+                bits |= too_wide.to(torch.int32) << i
+            rows.append(bits)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 5, 70, 200]])
+def test_wide_diagonal_blocks_match_reference(cu):
+    """The bits of the diagonal blocks too wide for the dot path, over several key tiles
+    (D = 100: two tiles of 64, the second partly masked) and partial chunks."""
+    torch.manual_seed(1)
+    B, T = (2, 150) if cu is None else (1, 200)
+    x = -torch.rand(B, T, 3, 100) * 0.6
+    x[..., 1, :, 97] *= 8.0  # one channel of one head decays fast: only the last tile sees it
+    cu_t = None if cu is None else torch.tensor(cu)
+    NT = B * ((T + 63) // 64) if cu is None else sum((e - s + 63) // 64 for s, e in zip(cu[:-1], cu[1:]))
+    wide = torch.zeros(NT, 3, dtype=torch.int32)
+    y = chunk_local_cumsum(x, 64, cu_seqlens=cu_t, wide=wide, sub_chunk_size=16, span_limit=3.0)
+    ref = _wide_reference(y, 64, 16, 3.0, cu)
+    assert (ref != 0).any() and (ref != 15).any(), ref
+    assert torch.equal(wide, ref), (wide, ref)
+
+
+def test_wide_diagonal_blocks_of_the_in_kernel_gate():
+    from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
+    from cp_linattn.ops.kda.naive import kda_gate
+
+    torch.manual_seed(2)
+    g, A_log, dt_bias = torch.randn(1, 140, 2, 80), torch.tensor([-2.0, 1.0]), torch.randn(160)
+    wide = torch.zeros(3, 2, dtype=torch.int32)
+    gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, chunk_size=64, wide=wide, sub_chunk_size=16, span_limit=4.0)
+    torch.testing.assert_close(gk, _reference(kda_gate(g, A_log, dt_bias), 64, False, None), rtol=1e-5, atol=1e-4)
+    ref = _wide_reference(gk, 64, 16, 4.0, None)
+    assert (ref[:, 0] == 0).all() and (ref[:, 1] != 0).any(), ref
+    assert torch.equal(wide, ref)
+
+
+def test_wide_needs_a_forward_cumsum():
+    with pytest.raises(ValueError, match="wide"):
+        chunk_local_cumsum(torch.zeros(1, 8, 1, 4), 4, reverse=True, wide=torch.zeros(2, 1, dtype=torch.int32))

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
 from cp_linattn.ops.utils import prepare_chunk_indices
 
 
@@ -12,6 +13,7 @@ from cp_linattn.ops.utils import prepare_chunk_indices
 def chunk_local_cumsum_kernel(
     x,
     y,
+    wide,
     cu_seqlens,
     chunk_indices,
     T,
@@ -21,13 +23,19 @@ def chunk_local_cumsum_kernel(
     BD: tl.constexpr,
     REVERSE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    MARK_WIDE: tl.constexpr,
+    BC: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
 ):
     """y[t] = sum of x over the chunk of t up to t (or from t to the chunk end if REVERSE).
 
-    x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H).
+    x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H). With MARK_WIDE (forward
+    only) the bits of the chunk's diagonal BC-blocks too wide for the dot path are ORed into
+    wide, int32 `[NT_all, H]` (`mark_wide_diagonal_blocks`).
     """
     i_d, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    i_chunk = i_t if IS_VARLEN else i_b * tl.cdiv(T, BT) + i_t
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
         i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
@@ -45,6 +53,10 @@ def chunk_local_cumsum_kernel(
     if REVERSE:
         b_y = tl.sum(b_x, axis=0)[None, :] - b_y + b_x
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
+    if MARK_WIDE:
+        tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
+        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, tl.arange(0, BT), o_d < D, T - i_t * BT,
+                                  BC, BT // BC, SPAN_LIMIT)
 
 
 def chunk_local_cumsum(
@@ -54,12 +66,20 @@ def chunk_local_cumsum(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     output_dtype: torch.dtype = torch.float32,
+    wide: torch.Tensor | None = None,
+    sub_chunk_size: int = 16,
+    span_limit: float = 0.0,
 ) -> torch.Tensor:
     """Cumulative sum of `x` `[B, T, H, D]` within each chunk of `chunk_size` tokens.
 
     Chunks restart at every sequence start of a packed batch (`cu_seqlens`). Accumulates in
     fp32; returns `output_dtype` (fp32 by default, which the chunked kernels expect).
+    wide: zeroed int32 `[NT_all, H]` (NT_all the chunks of the whole batch) that takes, per
+    chunk and head, the bits of the `sub_chunk_size` diagonal blocks whose gate span exceeds
+    `span_limit` (forward only; `cp_linattn.ops.common.intra`).
     """
+    if wide is not None and reverse:
+        raise ValueError("wide marks the blocks of a forward cumsum; got reverse=True")
     B, T, H, D = x.shape
     x = x.contiguous()
     if cu_seqlens is not None and chunk_indices is None:
@@ -70,7 +90,8 @@ def chunk_local_cumsum(
     grid = (triton.cdiv(D, BD), NT, B * H)
     if NT > 0:
         chunk_local_cumsum_kernel[grid](
-            x, y, cu_seqlens, chunk_indices, T,
+            x, y, wide, cu_seqlens, chunk_indices, T,
             H=H, D=D, BT=chunk_size, BD=BD, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
+            MARK_WIDE=wide is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
         )
     return y

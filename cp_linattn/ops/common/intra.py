@@ -6,7 +6,12 @@ exact pair by pair, but a dot needs the exponent split per row: with a reference
 <= 1 whichever m is chosen, so they stay finite (and far from the bf16/fp32 underflow) only
 while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block,
 measure that span at run time, use the dot when it is at most `SAFE_SPAN` and otherwise the
-exact one-column-per-step path. Typical gates (log-sigmoid, or KDA's safe gate with
+exact one-column-per-step path.
+
+KDA measures the span once, where the gate cumsum is formed (`mark_wide_diagonal_blocks`), and
+runs its intra-chunk kernels twice: a launch compiled with the dot path only for the chunks
+whose blocks all fit, and one with the exact path for the rest. A kernel holding both paths
+keeps registers for the exact one even where it never runs (it spilled on the H200). Typical gates (log-sigmoid, or KDA's safe gate with
 lower_bound >= -5) fit; only very strong decays (below about -5 per token) take the slow path.
 
 With a span of at most 40 every factor lies in [e^-40, e^40] (about [4e-18, 2e17]): bf16 and
@@ -37,3 +42,25 @@ def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
     # Round trip through int32: the interpreter's scalar comparison result cannot be &-ed with a
     # mask otherwise.
     return fits.to(tl.int32) != 0
+
+
+@triton.jit
+def mark_wide_diagonal_blocks(wide_ptr, b_g, o_t, m_k, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
+                              SPAN_LIMIT: tl.constexpr):
+    """ORs into the int32 at `wide_ptr` bit s for every diagonal block s (rows s BC .. s BC + BC)
+    of a chunk whose gate offsets from the block's middle row exceed SPAN_LIMIT.
+
+    b_g: fp32 `[NC * BC, BD]` chunk-local gate cumsum of one K tile (rows o_t, chunk-local,
+    valid below chunk_len; columns valid where m_k); the middle row is the one the kernels
+    take, min(s BC + BC / 2, chunk_len - 1). The int32 starts at 0; the K tiles of a chunk
+    OR their bits into it.
+    """
+    m_t = o_t < chunk_len
+    bits = 0
+    for s in tl.static_range(NC):
+        i_mid = tl.minimum(s * BC + BC // 2, chunk_len - 1)
+        b_gm = tl.sum(tl.where((o_t == i_mid)[:, None], b_g, 0), axis=0)
+        in_block = m_t & (o_t >= s * BC) & (o_t < s * BC + BC)
+        b_rel = tl.where(in_block[:, None] & m_k[None, :], b_g - b_gm[None, :], 0)
+        bits += tl.where(within_span(b_rel, SPAN_LIMIT), 0, 1 << s)
+    tl.atomic_or(wide_ptr, bits, mask=bits != 0)

@@ -16,7 +16,8 @@ of the state leaving the chunk, dv2 the total gradient of v_new):
 4. `kda_bwd_intra`: the gradients through S and L, in sub-chunks of 16 with the same
    overflow-free reference points as the forward (first row of the sub-chunk for the columns
    before it, last row for the rows after it; inside the diagonal blocks the dot split at the
-   middle row when the gate span allows it, else exact pairs, as in the forward).
+   middle row when the gate span allows it, else exact pairs, as in the forward: two launches,
+   the sub-chunks split by the forward's `wide` bits).
 5. dg = reverse chunk-local cumsum of dgk (the gk are cumsums of g), then the in-kernel
    gate's backward if any. Step 4 also sums dq, dk over each GVA group.
 
@@ -35,7 +36,6 @@ from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tile, tiles
@@ -168,12 +168,12 @@ def kda_bwd_wy_dqkg_kernel(
 
 @triton.jit
 def kda_bwd_intra_kernel(
-    q, k, gk, beta, dS, dL, dq, dk, dg, dbeta, dq_out, dk_out, dbeta_out,
+    q, k, gk, beta, wide, dS, dL, dq, dk, dg, dbeta, dq_out, dk_out, dbeta_out,
     cu_seqlens, chunk_indices,
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Adds the gradients through S (scores of q against k) and L (strict Akk) to the rows
     of one 16-row sub-chunk, for every value head of one q/k head; grid (NT * BT // BC, B * H).
@@ -189,13 +189,22 @@ def kda_bwd_intra_kernel(
         R_i   = sum_j D_ij k_j e_ij,  C_j   = sum_i D_ij beta_i k_i e_ij,
         dk_i += beta_i R_i + C_i,     dbeta_i += k_i . R_i,
         dgk  += q dq_S - k dk_S + beta k R - k C.
+
+    The diagonal block takes a dot split at its middle row, or with WIDE the exact per-pair
+    path: a program runs in the launch that matches its sub-chunk's bit in wide (int32
+    `[NT_all, HV]`, `kda_gate_cumsum`) for any value head of the group.
     """
     NC: tl.constexpr = BT // BC
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)
     i_t, i_i = i_tc // NC, i_tc % NC
     G: tl.constexpr = HV // H
     i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    b_wide = tl.load(wide + i_chunk * HV + i_h * G)
+    for i_g in tl.static_range(1, G):
+        b_wide |= tl.load(wide + i_chunk * HV + i_h * G + i_g)
+    if ((b_wide >> i_i) & 1 != 0) != WIDE:
+        return
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty
     o_i = i_i * BC + tl.arange(0, BC)
@@ -206,10 +215,10 @@ def kda_bwd_intra_kernel(
     for i_g in tl.static_range(G):
         i_hv = i_h * G + i_g
         rows_i = (bos + t0 + o_i) * HV + i_hv
-        # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows)
+        # reference rows: the sub-chunk's first (for earlier columns) and last (for later rows);
+        # its middle one for the diagonal block
         i_first = (bos + t0 + tl.minimum(i_i * BC, chunk_len - 1)) * HV + i_hv
         i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
-        i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
 
         b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
         # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
@@ -282,9 +291,10 @@ def kda_bwd_intra_kernel(
                 b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
                 b_dks += b_ej * b_sum_k
                 b_cc += b_ej * b_sum_c
-            b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
-            b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
-            if within_span(b_rel, SPAN_LIMIT):
+            if not WIDE:
+                i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
+                b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
+                b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
                 b_em = tl.exp(b_rel)
                 b_emi = tl.exp(-b_rel)
                 b_kt = (b_ki * b_emi).to(dtype)
@@ -375,7 +385,7 @@ def chunk_kda_bwd(
     from the forward) dht is the gradient of the `[N_global, ...]` final state, and dh0 comes
     back local (the op maps it to the user's tensor).
 
-    saved: at least Aqk, Akk, h, v_new and gk from `chunk_kda_fwd`; with w, qg, kg too
+    saved: at least Aqk, Akk, h, v_new, gk and wide from `chunk_kda_fwd`; with w, qg, kg too
     (`disable_recompute`) nothing is recomputed, else those are rebuilt here.
     do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
     dqk_dtype: dtype of the returned dq, dk, q's by default; fp32 when a further backward
@@ -388,7 +398,7 @@ def chunk_kda_bwd(
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    Aqk, Akk, h, v_new, gk = (saved[n] for n in ("Aqk", "Akk", "h", "v_new", "gk"))
+    Aqk, Akk, h, v_new, gk, wide = (saved[n] for n in ("Aqk", "Akk", "h", "v_new", "gk", "wide"))
     if "w" in saved:
         w, qg, kg = (saved[n] for n in ("w", "qg", "kg"))
     else:
@@ -435,13 +445,14 @@ def chunk_kda_bwd(
             H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=is_varlen, DOT_PREC=prec,
             **launch_options("kda_bwd_wy_dqkg"),
         )
-        kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * H)](
-            q, k, gk, beta, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens, chunk_indices, T,
-            H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=tile("kda_bwd_intra", "BK", K),
-            IS_VARLEN=is_varlen, DOT_PREC=prec,
-            SPAN_LIMIT=span_limit(k.dtype),
-            **launch_options("kda_bwd_intra"),
-        )
+        # each sub-chunk runs in one of the two launches (dot or exact diagonal block)
+        for wide_chunks in (False, True):
+            kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * H)](
+                q, k, gk, beta, wide, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens,
+                chunk_indices, T, H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+                BK=tile("kda_bwd_intra", "BK", K), IS_VARLEN=is_varlen, DOT_PREC=prec, WIDE=wide_chunks,
+                **launch_options("kda_bwd_intra"),
+            )
     dA_log = ddt_bias = None
     if use_gate_in_kernel:
         dg, dA_log, ddt_bias = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dgk, lower_bound, CHUNK_SIZE,

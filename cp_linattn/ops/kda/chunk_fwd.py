@@ -17,8 +17,9 @@ from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_sta
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.common.intra import SAFE_SPAN, span_limit
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, kda_intra_wy_fwd
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tiles
 
 L2NORM_EPS = 1e-6
@@ -141,11 +142,20 @@ def kda_gate_cumsum(
     lower_bound: float | None = None,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """fp32 chunk-local cumsum of the log gate (applying the in-kernel gate to raw g first)."""
+    span_limit: float = SAFE_SPAN,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 chunk-local cumsum `[B, T, HV, K]` of the log gate (applying the in-kernel gate to
+    raw g first), and int32 `wide` `[NT_all, HV]`: per chunk, the bits of its 16-token
+    diagonal blocks whose gate span exceeds `span_limit` (`cp_linattn.ops.common.intra`)."""
+    B, T, HV, _ = g.shape
+    NT = B * triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    wide = g.new_zeros(NT, HV, dtype=torch.int32)
+    blocks = dict(wide=wide, sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit)
     if use_gate_in_kernel:
-        return kda_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, CHUNK_SIZE, cu_seqlens, chunk_indices)
-    return chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, CHUNK_SIZE, cu_seqlens, chunk_indices, **blocks)
+    else:
+        gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, **blocks)
+    return gk, wide
 
 
 def chunk_kda_fwd_prepare(
@@ -171,15 +181,16 @@ def chunk_kda_fwd_prepare(
             beta: `[B, T, HV]`; A_log `[HV]`, dt_bias `[HV * K]`, lower_bound: the in-kernel gate.
         chunk_indices: `prepare_chunk_indices(cu_seqlens, 64)` when varlen.
 
-    Returns a dict with gk (fp32 gate cumsum `[B, T, HV, K]`), w, qg, kg (`[B, T, HV, K]`,
+    Returns a dict with gk (fp32 gate cumsum `[B, T, HV, K]`), wide (`kda_gate_cumsum`), w, qg, kg (`[B, T, HV, K]`,
     k's dtype), u (`[B, T, HV, V]`), Aqk and Akk (the inverse (I + Akk)^-1), fp32
     `[B, T, HV, 64]`. The fragment's transition is then
     `chunk_delta_rule_fwd_h(kg, w, zeros_like(w), gk, initial_state=I)` and its state from a
     zero start `chunk_delta_rule_fwd_h(kg, w, u, gk)`.
     """
-    gk = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices)
-    w, u, qg, kg, Aqk, Akk = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices)
-    return dict(gk=gk, w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, Akk=Akk)
+    gk, wide = kda_gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                               span_limit(k.dtype))
+    w, u, qg, kg, Aqk, Akk = kda_intra_wy_fwd(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, wide=wide)
+    return dict(gk=gk, wide=wide, w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, Akk=Akk)
 
 
 def chunk_kda_fwd(

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
+from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
 
 
 @triton.jit
@@ -46,14 +47,17 @@ def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A:
 
 @triton.jit
 def kda_gate_cumsum_kernel(
-    g, A_log, dt_bias, g_cum, dg_cum, dg, dA_part, dbias_part,
+    g, A_log, dt_bias, g_cum, wide, dg_cum, dg, dA_part, dbias_part,
     cu_seqlens, chunk_indices,
     lower_bound, T,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER_BOUND: tl.constexpr,
-    BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr, MARK_WIDE: tl.constexpr, BC: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr,
 ):
-    """Forward: g_cum = cumsum_in_chunk(gate(g)). Backward: dg = gate'(g) * reverse_cumsum(dg_cum),
+    """Forward: g_cum = cumsum_in_chunk(gate(g)), and with MARK_WIDE the bits of the chunk's diagonal
+    BC-blocks too wide for the dot path ORed into wide, int32 `[NT_all, HV]`
+    (`mark_wide_diagonal_blocks`). Backward: dg = gate'(g) * reverse_cumsum(dg_cum),
     plus per-chunk sums over tokens for dA_log/dt_bias `[NT_all, HV, K]`.
     Grid (cdiv(K, BK), NT_all, B * HV)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -83,10 +87,14 @@ def kda_gate_cumsum_kernel(
     else:
         b_cum = tl.cumsum(tl.where(m, b_gate, 0), axis=0)
         tl.store(g_cum + offs, b_cum, mask=m)
+        if MARK_WIDE:
+            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_cum, tl.arange(0, BT), m_k, seq_len - t0,
+                                      BC, BT // BC, SPAN_LIMIT)
 
 
-def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, **buffers):
-    """Runs the forward (buffers g_cum) or the backward (dg_cum, dg, dA_part, dbias_part);
+def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, sub_chunk_size=16,
+            span_limit=0.0, **buffers):
+    """Runs the forward (buffers g_cum, wide) or the backward (dg_cum, dg, dA_part, dbias_part);
     the `[B, T, HV, K]` buffers contiguous (`g.new_empty(g.shape)`, never `empty_like(g)`, which
     would copy a non-contiguous g's strides that the kernel's flat offsets do not follow)."""
     B, T, HV, K = g.shape
@@ -97,10 +105,11 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
         kda_gate_cumsum_kernel[grid](
             g.contiguous(), A_log.contiguous() if A_log is not None else None,
             dt_bias.contiguous() if dt_bias is not None else None,
-            buffers.get("g_cum"), buffers.get("dg_cum"), buffers.get("dg"), buffers.get("dA_part"), buffers.get("dbias_part"), cu_seqlens, chunk_indices,
-            float(lower_bound) if lower_bound is not None else 0.0, T,
+            *(buffers.get(n) for n in ("g_cum", "wide", "dg_cum", "dg", "dA_part", "dbias_part")),
+            cu_seqlens, chunk_indices, float(lower_bound) if lower_bound is not None else 0.0, T,
             HV=HV, K=K, BT=chunk_size, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
+            MARK_WIDE=buffers.get("wide") is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
         )
     return NT
 
@@ -113,16 +122,22 @@ def kda_gate_chunk_cumsum(
     chunk_size: int = 64,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    wide: torch.Tensor | None = None,
+    sub_chunk_size: int = 16,
+    span_limit: float = 0.0,
 ) -> torch.Tensor:
     """Chunk-local cumsum of the in-kernel KDA gate.
 
     g: raw gate input `[B, T, HV, K]` (any float dtype); A_log: `[HV]` (None only with
     lower_bound); dt_bias: `[HV * K]` or None; lower_bound: selects the sigmoid gate.
     chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
+    wide: zeroed int32 `[NT_all, HV]` taking the wide diagonal blocks of each chunk (as
+    `chunk_local_cumsum`'s), or None.
     Returns fp32 `[B, T, HV, K]`.
     """
     g_cum = g.new_empty(g.shape, dtype=torch.float32)
-    _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, g_cum=g_cum)
+    _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, sub_chunk_size, span_limit,
+            g_cum=g_cum, wide=wide)
     return g_cum
 
 

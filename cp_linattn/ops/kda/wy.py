@@ -17,10 +17,11 @@ a column j of an earlier sub-chunk J (last row l) the difference is split in thr
 `exp(gk_i - gk_f) * exp(gk_f - gk_l) * exp(gk_l - gk_j)`, every factor <= 1, so a tensor-core
 dot handles each of the six off-diagonal 16 x 16 blocks; the first and last factors are formed
 once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
-at their middle row and take a dot too when the gates' span allows it (checked at run time
-per block, cp_linattn/ops/common/intra.py: log-sigmoid gates and the safe gate with
-lower_bound >= -5 do); otherwise each pair's exponent is formed exactly, one key column per
-step.
+at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
+the safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly,
+one key column per step. The span is measured where the gate cumsum is formed (the `wide`
+bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
+the dot path for the chunks whose blocks all fit and once with the exact path for the others.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
 block merge with dots. The stored `Akk` is the inverse A (what the backward needs).
@@ -33,7 +34,6 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.common.intra import span_limit, within_span
 from cp_linattn.ops.launch import launch_options, tiles
 
 CHUNK_SIZE = 64
@@ -86,7 +86,7 @@ def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.con
 def sub_chunk_factors(
     q, k, gk, chunk_row0, r0, chunk_len, i_h, i_hv, o_k, m_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPAN_LIMIT: tl.constexpr,
+    EXACT_DIAG: tl.constexpr,
 ):
     """One K tile of the sub-chunk of rows r0..r0+BC (chunk-local) of a chunk starting at token
     chunk_row0, with gf / gl the gate at its first / last row:
@@ -97,8 +97,8 @@ def sub_chunk_factors(
     - its diagonal [BC, BC] blocks of q.k and k.k scores (unmasked above the diagonal).
 
     A later sub-chunk i pairs with this one (j) through exp(gf_i - gl_j) <= 1, so every factor
-    of an off-diagonal block is at most 1. The diagonal block is split at its middle row when
-    the gates' span allows it (`within_span`), else formed pair by pair, exactly.
+    of an off-diagonal block is at most 1. The diagonal block is split at its middle row (its
+    gate span known to fit), or with EXACT_DIAG formed pair by pair, exactly.
     """
     dtype = k.dtype.element_ty
     o_r = r0 + tl.arange(0, BC)
@@ -111,15 +111,15 @@ def sub_chunk_factors(
     b_gf = tl.load(gk + ((chunk_row0 + tl.minimum(r0, chunk_len - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0)
     b_gl = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC - 1, chunk_len - 1)) * HV + i_hv) * K + o_k,
                    mask=m_k, other=0)
-    b_gm = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC // 2, chunk_len - 1)) * HV + i_hv) * K + o_k,
-                   mask=m_k, other=0)
     # masking the exponents (not the products) keeps padded rows from overflowing
     b_ef = tl.exp(tl.where(m_rk, b_g - b_gf[None, :], float("-inf")))
     b_kl = (b_k * tl.exp(tl.where(m_rk, b_gl[None, :] - b_g, float("-inf")))).to(dtype)
     b_sq = tl.zeros([BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
-    if within_span(b_rel, SPAN_LIMIT):
+    if not EXACT_DIAG:
+        b_gm = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC // 2, chunk_len - 1)) * HV + i_hv) * K + o_k,
+                       mask=m_k, other=0)
+        b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
         b_em = tl.exp(b_rel)
         b_kt = tl.trans((b_k * tl.exp(-b_rel)).to(dtype))
         b_sq += tl.dot((b_q * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
@@ -151,24 +151,30 @@ def off_diagonal_scores(b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def kda_intra_wy_fwd_kernel(
-    q, k, v, gk, beta, Aqk, Akk, w, u, qg, kg,
+    q, k, v, gk, beta, wide, Aqk, Akk, w, u, qg, kg,
     cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     COMPUTE_A: tl.constexpr, COMPUTE_U: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPAN_LIMIT: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """One (chunk, value head): Aqk and A = (I + Akk)^-1 (unless given), then w, u (unless
     not COMPUTE_U), qg, kg.
 
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; gk: fp32 `[B, T, HV, K]`; beta: `[B, T, HV]`;
     Aqk, Akk: fp32 `[B, T, HV, BT]` (row t holds its chunk-local columns). Grid (NT, B * HV).
+    With COMPUTE_A, wide (int32 `[NT_all, HV]`, nonzero where a diagonal block of the chunk is
+    too wide for the dot path) picks the programs: those of its nonzero entries if WIDE (exact
+    diagonal blocks), the others if not.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    bos, seq_len, t0, _ = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    if COMPUTE_A:
+        if (tl.load(wide + i_chunk * HV + i_hv) != 0) != WIDE:
+            return
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty
 
@@ -198,18 +204,18 @@ def kda_intra_wy_fwd_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_qf0, b_kf0, b_kl0, b_gf0, b_gl0, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
             b_aqk_00 += b_sq
             b_akk_00 += b_sk
             b_qf1, b_kf1, b_kl1, b_gf1, b_gl1, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
             b_aqk_11 += b_sq
             b_akk_11 += b_sk
             b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PREC)
             b_aqk_10 += b_sq
             b_akk_10 += b_sk
             b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
             b_aqk_22 += b_sq
             b_akk_22 += b_sk
             b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PREC)
@@ -219,7 +225,7 @@ def kda_intra_wy_fwd_kernel(
             b_aqk_21 += b_sq
             b_akk_21 += b_sk
             b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, SPAN_LIMIT)
+                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
             b_aqk_33 += b_sq
             b_akk_33 += b_sk
             b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PREC)
@@ -318,6 +324,7 @@ def kda_intra_wy_fwd(
     Akk: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
     compute_u: bool = True,
+    wide: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """WY quantities of every chunk.
 
@@ -328,6 +335,8 @@ def kda_intra_wy_fwd(
         Aqk, Akk: fp32 `[B, T, HV, 64]` from an earlier call, to skip rebuilding them
             (the backward's recompute); both or neither.
         compute_u: False skips u (None is returned): the backward's recompute has no use for it.
+        wide: int32 `[NT_all, HV]` from `kda_gate_cumsum`, needed when Aqk, Akk are built:
+            the chunks whose diagonal blocks take the exact path.
 
     Returns:
         w `[B, T, HV, K]`, u `[B, T, HV, V]`, qg, kg `[B, T, HV, K]` (all in k's dtype),
@@ -338,6 +347,8 @@ def kda_intra_wy_fwd(
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     compute_a = Akk is None
+    if compute_a and wide is None:
+        raise ValueError("wide (from kda_gate_cumsum) is needed to build Aqk and Akk")
     if compute_a:
         Aqk = k.new_empty(B, T, HV, chunk_size, dtype=torch.float32)
         Akk = k.new_empty(B, T, HV, chunk_size, dtype=torch.float32)
@@ -349,12 +360,13 @@ def kda_intra_wy_fwd(
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
         BK, BV = tiles("kda_intra_wy_fwd", K, V)
-        kda_intra_wy_fwd_kernel[(NT, B * HV)](
-            q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(),
-            Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T,
-            H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-            SPAN_LIMIT=span_limit(k.dtype),
-            **launch_options("kda_intra_wy_fwd"),
-        )
+        args = (q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(), wide,
+                Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T)
+        # Every chunk runs in one of the two launches (both when A is given: no diagonal blocks).
+        for wide_chunks in (False, True) if compute_a else (False,):
+            kda_intra_wy_fwd_kernel[(NT, B * HV)](
+                *args, H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+                COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None,
+                DOT_PREC=dot_precision(k.dtype), WIDE=wide_chunks, **launch_options("kda_intra_wy_fwd"),
+            )
     return w, u, qg, kg, Aqk, Akk
