@@ -1,4 +1,4 @@
-"""Registers and spills of the KDA chunk kernels for the H200 (sm_90a), without a GPU.
+"""Registers and spills of the KDA and GLA chunk kernels for the H200 (sm_90a), without a GPU.
 
 Compiles each kernel with the launch settings of `cp_linattn/ops/launch.py` for the
 benchmark's shapes (bf16, H=16, K=V=128) through Triton's front end and its bundled
@@ -22,35 +22,51 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from cp_linattn.ops.gla.chunk import chunk_gla_bwd_dqkg_kernel, chunk_gla_fwd_o_kernel
 from cp_linattn.ops.kda.chunk_bwd import kda_bwd_intra_kernel
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd_kernel
 from cp_linattn.ops.launch import LAUNCH, launch_options
 
 H, K, V = 16, 128, 128
-# Argument types by name (bf16 inputs and outputs, fp32 gate cumsum and chunk matrices).
+# Argument types by name (bf16 inputs and outputs, fp32 gate cumsum, chunk matrices and KDA's
+# partial gradients); GLA's own differences in its entries below.
 TYPES = {
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "w": "*bf16", "u": "*bf16", "qg": "*bf16",
-    "kg": "*bf16", "dq_out": "*bf16", "dk_out": "*bf16", "dbeta_out": "*bf16",
+    "kg": "*bf16", "dq_out": "*bf16", "dk_out": "*bf16", "dbeta_out": "*bf16", "o": "*bf16", "A": "*bf16",
+    "h": "*bf16", "do": "*bf16",
     "gk": "*fp32", "Aqk": "*fp32", "Akk": "*fp32", "dS": "*fp32", "dL": "*fp32", "dq": "*fp32", "dk": "*fp32",
-    "dg": "*fp32", "dbeta": "*fp32",
+    "dg": "*fp32", "dbeta": "*fp32", "dh": "*fp32",
     "wide": "*i32", "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
 }
+GLA_TYPES = {"dq": "*bf16", "dk": "*bf16", "dg": "*bf16"}
+
+
+def _tiles(kernel: str) -> dict:
+    return {n: LAUNCH[kernel][n] for n in ("BK", "BV") if n in LAUNCH[kernel]}
+
+
+# kernel -> (jit function, constexprs for HV value heads, argument types)
 KERNELS = {
     "kda_intra_wy_fwd": (kda_intra_wy_fwd_kernel,
                          lambda HV: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
-                                         BK=LAUNCH["kda_intra_wy_fwd"]["BK"], BV=LAUNCH["kda_intra_wy_fwd"]["BV"],
-                                         COMPUTE_A=True, COMPUTE_U=True)),
+                                         **_tiles("kda_intra_wy_fwd"), COMPUTE_A=True, COMPUTE_U=True), TYPES),
     "kda_bwd_intra": (kda_bwd_intra_kernel,
-                      lambda HV: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
-                                      BK=LAUNCH["kda_bwd_intra"]["BK"])),
+                      lambda HV: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("kda_bwd_intra")),
+                      TYPES),
+    "gla_fwd_o": (chunk_gla_fwd_o_kernel,
+                  lambda HV: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("gla_fwd_o")),
+                  {**TYPES, **GLA_TYPES}),
+    "gla_bwd_dqkg": (chunk_gla_bwd_dqkg_kernel,
+                     lambda HV: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("gla_bwd_dqkg")),
+                     {**TYPES, **GLA_TYPES}),
 }
 
 
 def ptxas_report(kernel: str, HV: int, varlen: bool, wide: bool) -> str:
-    fn, constexprs = KERNELS[kernel]
+    fn, constexprs, types = KERNELS[kernel]
     const = dict(constexprs(HV), IS_VARLEN=varlen, DOT_PREC="tf32", WIDE=wide)
     names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in const else TYPES[n] for n in names}
+    signature = {n: "constexpr" if n in const else types[n] for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(kernel))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -70,7 +86,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"triton {triton.__version__}, sm_90a, bf16, H={H}, K=V={K}")
     for kernel in args.kernels:
-        for HV in args.HV:
+        for HV in args.HV if kernel.startswith("kda") else args.HV[:1]:
             for varlen in (False, True):
                 for wide in (False, True):
                     name = f"{kernel} HV={HV}{' varlen' if varlen else ''} {'exact' if wide else 'dot'} diagonal"

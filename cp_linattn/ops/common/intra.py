@@ -64,3 +64,11 @@ def mark_wide_diagonal_blocks(wide_ptr, b_g, o_t, m_k, chunk_len, BC: tl.constex
         b_rel = tl.where(in_block[:, None] & m_k[None, :], b_g - b_gm[None, :], 0)
         bits += tl.where(within_span(b_rel, SPAN_LIMIT), 0, 1 << s)
     tl.atomic_or(wide_ptr, bits, mask=bits != 0)
+
+
+def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
+    """Zeroed int32 `[NT_all, H]` for `mark_wide_diagonal_blocks`: one entry per chunk of the
+    batch (`B * cdiv(T, chunk_size)`, or the rows of chunk_indices when varlen) and head."""
+    NT = B * triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
+    return torch.zeros(NT, H, dtype=torch.int32, device=device)

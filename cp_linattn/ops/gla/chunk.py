@@ -10,9 +10,11 @@ dtype: exactly the operand of its dot) for the dv kernel. For the block of rows 
 and the columns before r the gate difference is split at b_r:
 `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
 tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each block's
-middle row when the gates allow it (cp_linattn/ops/common/intra.py checks the span at run
-time); otherwise exp(b_t - b_s) is taken pair by pair (one key column per step), which is
-exact for any decay.
+middle row when the gates allow it; otherwise exp(b_t - b_s) is taken pair by pair (one key
+column per step), which is exact for any decay. The gate cumsum marks the chunks whose blocks
+are too wide for the dot (cp_linattn/ops/common/intra.py), and the output and dq/dk/dg
+kernels run twice: compiled with the dot path for the other chunks, and with the exact path
+for those.
 
 Forward: gate cumsum, `chunk_fwd_h` (states, stored in the input dtype), output kernel.
 Backward: `chunk_bwd_dh`, a dv kernel (from the stored A) and a dq/dk/dg kernel (from the
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import span_limit, within_span
+from cp_linattn.ops.common.intra import new_wide_bits, span_limit
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, scatter_final_state)
@@ -72,12 +74,13 @@ def offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H: 
 @triton.jit
 def intra_chunk_scores(
     k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len, H: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr, EXACT_DIAG: tl.constexpr,
 ):
     """Causal `sum_k q_tk k_sk exp(b_tk - b_sk)` over one key-channel block, [BT, BT] fp32.
 
     b_q, b_g: fp32 [BT, BK] tiles of q and the gate cumsum; chunk_row0: index of the chunk's
     first row in the flat (token, head) row space; rows at or past chunk_len are padding.
+    The diagonal blocks by a dot split at their middle rows, or with EXACT_DIAG pair by pair.
     """
     dtype = k.dtype.element_ty
     m_tk = m_t[:, None] & m_k[None, :]
@@ -92,8 +95,8 @@ def intra_chunk_scores(
         b_q_ref = b_q * tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
         b_k_ref = b_k * tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
         b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PREC)
-    b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
-    if within_span(b_rel, SPAN_LIMIT):
+    if not EXACT_DIAG:
+        b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
         b_diag = tl.dot((b_q * tl.exp(b_rel)).to(dtype), tl.trans((b_k * tl.exp(-b_rel)).to(dtype)),
                         input_precision=DOT_PREC)
         in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC) & (o_i[:, None] >= o_i[None, :])
@@ -114,17 +117,20 @@ def intra_chunk_scores(
 
 @triton.jit
 def chunk_gla_fwd_o_kernel(
-    q, k, v, gk, h, o, A, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, gk, wide, h, o, A, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     """o = scale * (q * exp b) h + A v for one [BT, BV] tile, and A = scale * scores (the
     rounded dot operand, stored for dv); grid (cdiv(V, BV), NT, B * H). With several V tiles
-    each writes the same A."""
+    each writes the same A. Runs the chunks whose entry of wide (int32 `[NT_all, H]`) is
+    nonzero if WIDE (exact diagonal blocks), the others if not."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
+        return
     dtype = q.dtype.element_ty
     chunk_len = seq_len - t0
     chunk_row0 = (bos + t0) * H + i_h
@@ -144,7 +150,7 @@ def chunk_gla_fwd_o_kernel(
         b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
         b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
-                                  H, K, BT, BC, DOT_PREC, SPAN_LIMIT)
+                                  H, K, BT, BC, DOT_PREC, WIDE)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_q_start = tl.where(m_tk, b_q * tl.exp(b_g), 0)
         b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PREC)
@@ -201,15 +207,19 @@ def chunk_gla_bwd_dv_kernel(
 
 @triton.jit
 def chunk_gla_bwd_dqkg_kernel(
-    q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, gk, wide, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, SPAN_LIMIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H)."""
+    """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H). The chunks of
+    nonzero wide entries if WIDE (exact diagonal blocks), the others if not, as the output
+    kernel."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
+        return
     dtype = q.dtype.element_ty
     chunk_len = seq_len - t0
     chunk_row0 = (bos + t0) * H + i_h
@@ -261,8 +271,8 @@ def chunk_gla_bwd_dqkg_kernel(
         b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
         b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
         b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
-    b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
-    if within_span(b_rel, SPAN_LIMIT):
+    if not WIDE:
+        b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
         b_to_mid = tl.exp(b_rel)
         b_from_mid = tl.exp(-b_rel)
         # The t == s terms (decay 1) are added exactly, outside the dot: in dg = q dq - k dk
@@ -306,11 +316,26 @@ def _launch_shape(kernel: str, q: torch.Tensor, v: torch.Tensor):
     return B, T, H, K, V, *tiles(kernel, K, V)
 
 
-def chunk_gla_fwd_o(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor, scale: float,
-    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+def gla_gate_cumsum(
+    g: torch.Tensor, dtype: torch.dtype, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and the states h
+    """fp32 chunk-local cumsum `[B, T, H, K]` of the log gate g, and int32 `wide`
+    `[NT_all, H]`: the chunks whose diagonal blocks are too wide for the dot path with
+    operands of `dtype` (`cp_linattn.ops.common.intra`)."""
+    B, T, H, _ = g.shape
+    wide = new_wide_bits(B, T, H, CHUNK_SIZE, chunk_indices, g.device)
+    gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, wide=wide,
+                            sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit(dtype))
+    return gk, wide
+
+
+def chunk_gla_fwd_o(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, wide: torch.Tensor, h: torch.Tensor,
+    scale: float, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and its wide bits
+    (`gla_gate_cumsum`) and the states h
     (`[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`); and the scaled
     intra-chunk scores A `[B, T, H, CHUNK_SIZE]` in q's dtype (row t of a chunk holds
     `scale * sum_k q_tk k_sk exp(b_tk - b_sk)` for its keys s <= t, zeros after), which dv reads."""
@@ -319,12 +344,13 @@ def chunk_gla_fwd_o(
     o = torch.empty_like(v)
     A = q.new_empty(B, T, H, CHUNK_SIZE)
     if NT > 0:
-        chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
-            q, k, v, gk, h, o, A, cu_seqlens, chunk_indices, scale, T,
-            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
-            **launch_options("gla_fwd_o"),
-        )
+        for wide_chunks in (False, True):  # each chunk runs in one of them
+            chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
+                q, k, v, gk, wide, h, o, A, cu_seqlens, chunk_indices, scale, T,
+                H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
+                **launch_options("gla_fwd_o"),
+            )
     return o, A
 
 
@@ -347,23 +373,25 @@ def chunk_gla_bwd_dv(
 
 
 def chunk_gla_bwd_dqkg(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, wide: torch.Tensor, h: torch.Tensor,
     do: torch.Tensor, dh: torch.Tensor, scale: float,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
     dg_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk (q's dtype) and dg (`dg_dtype`; accumulated in fp32), all `[B, T, H, K]`."""
+    """dq, dk (q's dtype) and dg (`dg_dtype`; accumulated in fp32), all `[B, T, H, K]`;
+    gk and wide from `gla_gate_cumsum`."""
     B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dqkg", q, v)
     NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(gk, dtype=dg_dtype)
     if NT > 0:
-        chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
-            q, k, v, gk, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
-            H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), SPAN_LIMIT=span_limit(q.dtype),
-            **launch_options("gla_bwd_dqkg"),
-        )
+        for wide_chunks in (False, True):  # each chunk runs in one of them
+            chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
+                q, k, v, gk, wide, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+                H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
+                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
+                **launch_options("gla_bwd_dqkg"),
+            )
     return dq, dk, dg
 
 
@@ -383,7 +411,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         if cu_seqlens is not None:
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        gk = chunk_local_cumsum(g, CHUNK_SIZE, **varlen)
+        gk, wide = gla_gate_cumsum(g, q.dtype, **varlen)
         h0, need_ht = initial_state, output_final_state
         if cp_context is not None:
             # A sequence continued from an earlier rank starts from zero here; its incoming
@@ -398,8 +426,8 @@ class ChunkGLAFunction(torch.autograd.Function):
             record = gla_apply_incoming_state(h, ht, gk, cp_context)
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
                 if output_final_state else None
-        o, A = chunk_gla_fwd_o(q, k, v, gk, h, scale, **varlen)
-        ctx.save_for_backward(q, k, v, gk, h, A, cu_seqlens, chunk_indices, chunk_offsets)
+        o, A = chunk_gla_fwd_o(q, k, v, gk, wide, h, scale, **varlen)
+        ctx.save_for_backward(q, k, v, gk, wide, h, A, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
         ctx.cp = (cp_context, record, initial_state is not None)
@@ -407,7 +435,7 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gk, h, A, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        q, k, v, gk, wide, h, A, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
         cp_context, record, user_h0 = ctx.cp
         scale = ctx.scale
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -422,7 +450,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         if cp_context is not None:
             gla_apply_incoming_grad(dh, dh0, gk, record)
         dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
-        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
+        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, wide, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
         if cp_context is not None:
             dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global) if user_h0 else None
         return dq, dk, dv, dg, None, dh0, None, None, None, None

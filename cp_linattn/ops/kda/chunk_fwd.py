@@ -17,7 +17,7 @@ from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_sta
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import SAFE_SPAN, span_limit
+from cp_linattn.ops.common.intra import SAFE_SPAN, new_wide_bits, span_limit
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tiles
@@ -148,8 +148,7 @@ def kda_gate_cumsum(
     raw g first), and int32 `wide` `[NT_all, HV]`: per chunk, the bits of its 16-token
     diagonal blocks whose gate span exceeds `span_limit` (`cp_linattn.ops.common.intra`)."""
     B, T, HV, _ = g.shape
-    NT = B * triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
-    wide = g.new_zeros(NT, HV, dtype=torch.int32)
+    wide = new_wide_bits(B, T, HV, CHUNK_SIZE, chunk_indices, g.device)
     blocks = dict(wide=wide, sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit)
     if use_gate_in_kernel:
         gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, CHUNK_SIZE, cu_seqlens, chunk_indices, **blocks)
