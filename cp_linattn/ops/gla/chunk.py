@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import new_wide_bits, span_limit
@@ -41,24 +42,6 @@ from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepar
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
-
-
-@triton.jit
-def chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first token of the sequence, its length, first token of the chunk within it, index of
-    the chunk in the h/dh tensors) for program chunk i_t of batch row i_b."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-        state_index = i_t.to(tl.int64)
-    else:
-        i_c = i_t.to(tl.int64)
-        bos = i_b.to(tl.int64) * T
-        seq_len = T
-        state_index = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
-    return bos, seq_len, i_c * BT, state_index
 
 
 @triton.jit
@@ -128,7 +111,7 @@ def chunk_gla_fwd_o_kernel(
     nonzero if WIDE (exact diagonal blocks), the others if not."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
         return
     dtype = q.dtype.element_ty
@@ -174,7 +157,7 @@ def chunk_gla_bwd_dv_kernel(
     scores; grid like the output."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     dtype = k.dtype.element_ty
     chunk_len = seq_len - t0
     chunk_row0 = (bos + t0) * H + i_h
@@ -217,7 +200,7 @@ def chunk_gla_bwd_dqkg_kernel(
     kernel."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_location(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
         return
     dtype = q.dtype.element_ty
