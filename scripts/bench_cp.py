@@ -193,13 +193,19 @@ def make_timer() -> Timer:
     return wall
 
 
-def kernel_ms(fn: Callable[[], object], reps: int = 5) -> float | None:
-    """GPU kernel time of one call: the summed durations of the kernels (and device copies)
-    it launches, from torch.profiler's CUDA activity, with no host gaps; None without CUDA."""
+def kernel_profile(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, float, int]] | None:
+    """The kernels (and device copies) one call launches, as (name, ms per call, launches per
+    call) from torch.profiler's CUDA activity, longest first; None without CUDA."""
     if not torch.cuda.is_available():
         return None
     fn()
-    return sum(ms for _, ms, _ in profile_kernels(fn, reps))
+    return profile_kernels(fn, reps)
+
+
+def kernel_ms(fn: Callable[[], object], reps: int = 5) -> float | None:
+    """GPU kernel time of one call: the summed kernel durations, with no host gaps."""
+    kernels = kernel_profile(fn, reps)
+    return None if kernels is None else sum(ms for _, ms, _ in kernels)
 
 
 def _fwd(spec: OpSpec, x: Tensors, **kw) -> Callable[[], None]:
@@ -273,11 +279,14 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
         local_ms[L] = timer(local_fwd), timer(local_fwd_bwd), kernel_ms(local_fwd_bwd)
     pre_fwd, pre_bwd = pre_process_fns(spec, calls)
     cp_fwd_bwd = _fwd_bwd(spec, x, do, cp_context=ctx)
+    pre_kernels = {d: kernel_profile(fn) for d, fn in (("fwd", pre_fwd), ("bwd", pre_bwd))}
     row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=L, local_fwd_ms=local_ms[L][0],
                local_fwd_bwd_ms=local_ms[L][1], pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
                cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=timer(cp_fwd_bwd),
-               local_fwd_bwd_kernel_ms=local_ms[L][2], pre_fwd_kernel_ms=kernel_ms(pre_fwd),
-               pre_bwd_kernel_ms=kernel_ms(pre_bwd), cp_fwd_bwd_kernel_ms=kernel_ms(cp_fwd_bwd), max_rel_err=err)
+               local_fwd_bwd_kernel_ms=local_ms[L][2],
+               **{f"pre_{d}_kernel_ms": None if k is None else sum(ms for _, ms, _ in k) for d, k in pre_kernels.items()},
+               **{f"pre_{d}_kernels": k for d, k in pre_kernels.items()},
+               cp_fwd_bwd_kernel_ms=kernel_ms(cp_fwd_bwd), max_rel_err=err)
     row["overhead_pct"] = 100 * (row["pre_fwd_ms"] + row["pre_bwd_ms"]) / row["local_fwd_bwd_ms"]
     row["cp_excess_pct"] = 100 * (row["cp_fwd_bwd_ms"] / row["local_fwd_bwd_ms"] - 1)
     if row["local_fwd_bwd_kernel_ms"] is not None:
@@ -356,6 +365,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worst_rank_kernels(rows: list[dict], top: int = 6) -> str:
+    """The longest pre-process kernels of each (op, D)'s worst rank, as markdown lines."""
+    lines = []
+    for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
+        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=_pre_cost)
+        for d in ("fwd", "bwd"):
+            kernels = w.get(f"pre_{d}_kernels")
+            if kernels:
+                listed = ", ".join(f"{name[:48]} {ms:.3f} ms x{n}" for name, ms, n in kernels[:top])
+                lines.append(f"- {op} D={D} rank {w['rank']} pre {d}: {listed}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--T", type=int, help="global tokens (default 32768; --smoke 256)")
@@ -406,6 +428,7 @@ def main() -> None:
           "the single-rank run of the whole sequence.")
     print()
     print(markdown(rows))
+    print(worst_rank_kernels(rows))
 
 
 if __name__ == "__main__":
