@@ -25,14 +25,8 @@ from cp_linattn.cp.comm import all_gather_tensor, send_recv_chain
 from cp_linattn.cp.context import FLACPContext, empty_seq_ids
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h
 from cp_linattn.ops.common.chunk_h import add_decayed_state
-from cp_linattn.ops.utils import prepare_varlen_chunks
 
 CHUNK_SIZE = 64
-# KDA's pre-process walks a fragment as this many chunk-aligned segments at once (one varlen
-# launch) and folds their results: one walk of the whole fragment runs a few programs per SM,
-# a latency-bound chain as long as the fragment; the segments give the GPU 8x the programs
-# and chains 1/8 as long, for the K x K transition each segment then has to carry.
-PRE_PROCESS_SEGMENTS = 8
 
 
 def apply_transition(M: torch.Tensor, S: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -294,50 +288,26 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torc
             dh0[-1] += decays.sum(0).exp()[..., None] * dS_in
 
 
-def _segments(length: int, device: torch.device) -> dict:
-    """Varlen arguments cutting `length` tokens (from a chunk boundary) into at most
-    PRE_PROCESS_SEGMENTS chunk-aligned segments, each a sequence of its own to the kernels."""
-    n_chunks = -(-length // CHUNK_SIZE)
-    seg = -(-n_chunks // PRE_PROCESS_SEGMENTS) * CHUNK_SIZE
-    cu_cpu = torch.tensor(list(range(0, length, seg)) + [length], dtype=torch.long)
-    cu = cu_cpu.to(device, non_blocking=True)
-    chunk_indices, chunk_offsets = prepare_varlen_chunks(cu, cu_cpu, CHUNK_SIZE)
-    return dict(cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
-
-
-def _identity_columns(n: int, HV: int, K: int, V: int, device: torch.device) -> torch.Tensor:
-    """fp32 `[n, HV, K, V + K]`: zeros, with the identity in the last K columns."""
-    x = torch.zeros(n, HV, K, V + K, device=device, dtype=torch.float32)
-    x[..., V:] = torch.eye(K, device=device)
-    return x
-
-
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
     """KDA forward pre-process and merge. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from the
     intra-chunk WY stage. Returns (S_in `[HV, K, V]` K-first, or None; record).
 
-    The recurrence is linear in the state, so running the delta-rule state kernel on `[u, 0]`
-    from `[h0, I]` yields `[S_ext, M]` with M the K x K transition (`final(S) = M S + S_ext`).
-    It runs on the fragment's segments at once (the first from `[h0, I]`, the others from
-    `[0, I]`), whose `[S_i, M_i]` then fold in order: `X <- M_i X + [S_i, 0]`.
+    One pass of the delta-rule state kernel gives both: the recurrence is linear in the state,
+    so running it on `[u, 0]` from `[h0, I]` yields `[S_ext, M]` with M the K x K transition
+    of the fragment (`final(S) = M S + S_ext`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if context.post_num_ranks:
         start, _ = _last_fragment(context)
         L = kg.shape[1] - start
-        segments = _segments(L, kg.device)
-        h0 = _identity_columns(segments["cu_seqlens"].numel() - 1, HV, K, V, kg.device)
-        user_h0 = _user_state_of_last(initial_state, context, state_v_first)
-        if user_h0 is not None:
-            h0[0, ..., :V] = user_h0[0]
+        h0 = _user_state_of_last(initial_state, context, state_v_first)
+        h0 = kg.new_zeros(1, HV, K, V, dtype=torch.float32) if h0 is None else h0
+        eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
         u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
-        _, _, ht = chunk_delta_rule_fwd_h(kg[:, start:], w[:, start:], u_aug, gk[:, start:], h0, True,
-                                          chunk_size=CHUNK_SIZE, store_chunk_states=False, **segments)
-        X = ht[0]
-        for X_i in ht[1:]:
-            X = X_i[..., V:] @ X
-            X[..., :V] += X_i[..., :V]
-        S_ext, M = X[..., :V], X[..., V:]
+        _, _, ht = chunk_delta_rule_fwd_h(kg[:, start:], w[:, start:], u_aug, gk[:, start:],
+                                          torch.cat([h0, eye], -1).contiguous(), True, chunk_size=CHUNK_SIZE,
+                                          store_chunk_states=False)
+        S_ext, M = ht[0, :, :, :V], ht[0, :, :, V:]
     else:
         S_ext, M = kg.new_zeros(HV, K, V, dtype=torch.float32), kg.new_zeros(HV, K, K, dtype=torch.float32)
     return exchange_forward(S_ext, M, context)
@@ -347,30 +317,19 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
                          state_v_first: bool):
     """KDA backward (dhu) pre-process and merge: the local dht (layout as the states) with the
     gradient from later ranks in the last local sequence's row. dv: the intra-chunk gradient of
-    v_new (`Aqk^T do`) of the local tokens.
-
-    The reverse walk of the first fragment runs on its segments at once, as the forward's: on
-    `[do, 0]`, `[dv, 0]` from `[0, I]` (the last segment from `[dht, I]`), each yields
-    `[dS_i, M_i^T]`, the gradient entering it from its own outputs and its transposed
-    transition, folded from the last segment back: `G <- M_i^T G + dS_i`.
-    """
+    v_new (`Aqk^T do`) of the local tokens."""
     context = record.context
     dht = gather_final_state_grad(dht_global, context)
     HV, K, V = kg.shape[2], kg.shape[3], do.shape[3]
     if context.pre_num_ranks:
         end, ends_here = _first_fragment(context)
-        segments = _segments(end, kg.device)
-        dht_aug = _identity_columns(segments["cu_seqlens"].numel() - 1, HV, K, V, kg.device)
+        dht_first = None
         if ends_here and dht is not None:
-            dht_aug[-1, ..., :V] = dht[0].transpose(-1, -2) if state_v_first else dht[0]
-        pad = do.new_zeros(1, end, HV, K)
-        _, G, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end],
-                                           torch.cat([do[:, :end], pad], -1), torch.cat([dv[:, :end], pad.to(dv)], -1),
-                                           scale, dht_aug, True, chunk_size=CHUNK_SIZE, store_chunk_grads=False,
-                                           **segments)
-        dS_ext = G[-1, ..., :V]
-        for G_i in G[:-1].flip(0):
-            dS_ext = G_i[..., V:] @ dS_ext + G_i[..., :V]
+            dht_first = dht[:1].transpose(-1, -2).contiguous() if state_v_first else dht[:1]
+        _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
+                                                dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE,
+                                                store_chunk_grads=False)
+        dS_ext = dS_ext[0]
     else:
         dS_ext = kg.new_zeros(HV, K, V, dtype=torch.float32)
     shape = (HV, V, K) if state_v_first else (HV, K, V)
