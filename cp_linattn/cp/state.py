@@ -223,6 +223,22 @@ def _chunk_decays(gk: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return gk[0, last.clamp_(max=end - 1)].float()
 
 
+def _decay_between(decays: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """fp32 `[n, H, K]`: the log decay from a sequence's start to each chunk (the sum over the
+    chunks before it), or with `reverse` from each chunk to the sequence's end (over those
+    after it). The scan runs along the last dim of an `[H * K, n]` copy: torch's scan over the
+    leading dim of `[n, H * K]` gives each column one thread (46 us at n = 256 on an H100,
+    against a few us for the copies)."""
+    n, H, K = decays.shape
+    x = decays.reshape(n, H * K).t().contiguous()
+    if reverse:
+        x = x.flip(1)
+    x = torch.nn.functional.pad(x[:, :-1].cumsum(1), (1, 0))
+    if reverse:
+        x = x.flip(1)
+    return x.t().reshape(n, H, K).contiguous()
+
+
 def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None, gk: torch.Tensor,
                              context: FLACPContext) -> BoundaryExchange:
     """GLA forward pre-process and merge, run after the local state pass.
@@ -253,8 +269,7 @@ def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None, gk: torch
         S_ext, M = h.new_zeros(H, K, V, dtype=torch.float32), h.new_zeros(H, K, dtype=torch.float32)
     S_in, record = exchange_forward(S_ext, M, context)
     if S_in is not None:
-        before = torch.cat([decays.new_zeros(1, H, K), decays[:-1].cumsum(0)])
-        add_decayed_state(h[0, :decays.shape[0]], before, S_in)
+        add_decayed_state(h[0, :decays.shape[0]], _decay_between(decays, reverse=False), S_in)
         if ht is not None:
             ht[0] += decays.sum(0).exp()[..., None] * S_in
     return record
@@ -282,8 +297,7 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torc
     if dS_in is not None:
         start, _ = _last_fragment(context)
         decays = _chunk_decays(gk, start, T)
-        after = torch.cat([decays[1:].flip(0).cumsum(0).flip(0), decays.new_zeros(1, H, K)])
-        add_decayed_state(dh[0, dh.shape[1] - decays.shape[0]:], after, dS_in)
+        add_decayed_state(dh[0, dh.shape[1] - decays.shape[0]:], _decay_between(decays, reverse=True), dS_in)
         if dh0 is not None:
             dh0[-1] += decays.sum(0).exp()[..., None] * dS_in
 
