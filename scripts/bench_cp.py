@@ -284,7 +284,8 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
                local_fwd_bwd_ms=local_ms[L][1], pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
                cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=timer(cp_fwd_bwd),
                local_fwd_bwd_kernel_ms=local_ms[L][2],
-               **{f"pre_{d}_kernel_ms": None if k is None else sum(ms for _, ms, _ in k) for d, k in pre_kernels.items()},
+               **{f"pre_{d}_kernel_ms": None if k is None else sum(ms for _, ms, _ in k)
+                  for d, k in pre_kernels.items()},
                **{f"pre_{d}_kernels": k for d, k in pre_kernels.items()},
                cp_fwd_bwd_kernel_ms=kernel_ms(cp_fwd_bwd), max_rel_err=err)
     row["overhead_pct"] = 100 * (row["pre_fwd_ms"] + row["pre_bwd_ms"]) / row["local_fwd_bwd_ms"]

@@ -55,7 +55,8 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     monkeypatch.setitem(sys.modules, "bench_cp", bench_cp)  # its dataclasses look their module up
     spec.loader.exec_module(bench_cp)
     rows = [dict(op="kda", D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b,
-                 pre_fwd_kernels=[("fwd_walk", f, 1)] if f else [], pre_bwd_kernels=[("dhu_walk", b, 1), ("fold", 0.01, 3)])
+                 pre_fwd_kernels=[("fwd_walk", f, 1)] if f else [],
+                 pre_bwd_kernels=[("dhu_walk", b, 1), ("fold", 0.01, 3)])
             for r, f, b in ((0, 0.3, 0.0), (1, 0.0, 0.5))]
     text = bench_cp.worst_rank_kernels(rows)
     assert text == "- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n", text

@@ -4,15 +4,17 @@ Scores like `sum_k q_tk k_sk exp(b_tk - b_sk)` (s <= t, b a non-increasing gate 
 exact pair by pair, but a dot needs the exponent split per row: with a reference row m,
 `exp(b_t - b_m) * exp(b_m - b_s)`. Inside a diagonal sub-block the two factors are not both
 <= 1 whichever m is chosen, so they stay finite (and far from the bf16/fp32 underflow) only
-while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block,
-measure that span at run time, use the dot when it is at most `SAFE_SPAN` and otherwise the
-exact one-column-per-step path.
+while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block and
+use the dot when the span is at most `SAFE_SPAN`, otherwise the exact one-column-per-step
+path. Typical gates (log-sigmoid, or KDA's safe gate with lower_bound >= -5) fit; only very
+strong decays (below about -5 per token) take the slow path.
 
-KDA measures the span once, where the gate cumsum is formed (`mark_wide_diagonal_blocks`), and
-runs its intra-chunk kernels twice: a launch compiled with the dot path only for the chunks
-whose blocks all fit, and one with the exact path for the rest. A kernel holding both paths
-keeps registers for the exact one even where it never runs (it spilled on the H200). Typical gates (log-sigmoid, or KDA's safe gate with
-lower_bound >= -5) fit; only very strong decays (below about -5 per token) take the slow path.
+The chunked GLA and KDA kernels measure the span once, where the gate cumsum is formed
+(`mark_wide_diagonal_blocks`), and run twice: a launch compiled with the dot path only, for
+the chunks whose blocks all fit, and one compiled with the exact path only, for the rest. A
+kernel holding both paths keeps registers for the exact one even where it never runs (both
+spilled more that way, `scripts/kernel_regs.py`). fused_chunk_gla checks the span at run time
+(`within_span`).
 
 With a span of at most 40 every factor lies in [e^-40, e^40] (about [4e-18, 2e17]): bf16 and
 fp32 hold that with full relative precision, and a product of two factors of the same pair

@@ -180,9 +180,9 @@ def chunk_kda_fwd_prepare(
             beta: `[B, T, HV]`; A_log `[HV]`, dt_bias `[HV * K]`, lower_bound: the in-kernel gate.
         chunk_indices: `prepare_chunk_indices(cu_seqlens, 64)` when varlen.
 
-    Returns a dict with gk (fp32 gate cumsum `[B, T, HV, K]`), wide (`kda_gate_cumsum`), w, qg, kg (`[B, T, HV, K]`,
-    k's dtype), u (`[B, T, HV, V]`), Aqk and Akk (the inverse (I + Akk)^-1), fp32
-    `[B, T, HV, 64]`. The fragment's transition is then
+    Returns a dict with gk (fp32 gate cumsum `[B, T, HV, K]`), wide (`kda_gate_cumsum`), w,
+    qg, kg (`[B, T, HV, K]`, k's dtype), u (`[B, T, HV, V]`), Aqk and Akk (the inverse
+    (I + Akk)^-1), fp32 `[B, T, HV, 64]`. The fragment's transition is then
     `chunk_delta_rule_fwd_h(kg, w, zeros_like(w), gk, initial_state=I)` and its state from a
     zero start `chunk_delta_rule_fwd_h(kg, w, u, gk)`.
     """
