@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
 from cp_linattn.ops.utils import prepare_chunk_indices
 
@@ -35,18 +36,10 @@ def chunk_local_cumsum_kernel(
     """
     i_d, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    i_chunk = i_t if IS_VARLEN else i_b * tl.cdiv(T, BT) + i_t
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        T = eos - bos
-    else:
-        bos = i_b * T
-    o_t = i_t * BT + tl.arange(0, BT)
+    bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
-    m = (o_t[:, None] < T) & (o_d[None, :] < D)
+    m = (o_t[:, None] < seq_len) & (o_d[None, :] < D)
     offs = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_x = tl.load(x + offs, mask=m, other=0).to(tl.float32)
     b_y = tl.cumsum(b_x, axis=0)
@@ -55,7 +48,7 @@ def chunk_local_cumsum_kernel(
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
     if MARK_WIDE:
         tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
-        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, tl.arange(0, BT), o_d < D, T - i_t * BT,
+        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, tl.arange(0, BT), o_d < D, seq_len - t0,
                                   BC, BT // BC, SPAN_LIMIT)
 
 

@@ -74,3 +74,11 @@ def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.
     batch (`B * cdiv(T, chunk_size)`, or the rows of chunk_indices when varlen) and head."""
     NT = B * triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
     return torch.zeros(NT, H, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def in_this_launch(b_wide, WIDE: tl.constexpr):
+    """Whether a program whose blocks have the wide bit `b_wide` (nonzero: some block too wide
+    for the dot path) belongs to the launch compiled with the exact path (WIDE) or to the
+    one compiled with the dot path (not WIDE); it returns at once in the other."""
+    return (b_wide != 0) == WIDE

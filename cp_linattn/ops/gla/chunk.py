@@ -33,7 +33,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import new_wide_bits, span_limit
+from cp_linattn.ops.common.intra import in_this_launch, new_wide_bits, span_limit
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, scatter_final_state)
@@ -112,7 +112,7 @@ def chunk_gla_fwd_o_kernel(
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
+    if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
         return
     dtype = q.dtype.element_ty
     chunk_len = seq_len - t0
@@ -201,7 +201,7 @@ def chunk_gla_bwd_dqkg_kernel(
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    if (tl.load(wide + state_index * H + i_h) != 0) != WIDE:
+    if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
         return
     dtype = q.dtype.element_ty
     chunk_len = seq_len - t0

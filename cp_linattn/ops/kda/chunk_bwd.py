@@ -36,6 +36,7 @@ from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.common.intra import in_this_launch
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tile, tiles
@@ -203,7 +204,7 @@ def kda_bwd_intra_kernel(
     b_wide = tl.load(wide + i_chunk * HV + i_h * G)
     for i_g in tl.static_range(1, G):
         b_wide |= tl.load(wide + i_chunk * HV + i_h * G + i_g)
-    if ((b_wide >> i_i) & 1 != 0) != WIDE:
+    if not in_this_launch((b_wide >> i_i) & 1, WIDE):
         return
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.intra import in_this_launch
 from cp_linattn.ops.launch import launch_options, tiles
 
 CHUNK_SIZE = 64
@@ -173,7 +174,7 @@ def kda_intra_wy_fwd_kernel(
     i_h = i_hv // (HV // H)
     bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     if COMPUTE_A:
-        if (tl.load(wide + i_chunk * HV + i_hv) != 0) != WIDE:
+        if not in_this_launch(tl.load(wide + i_chunk * HV + i_hv), WIDE):
             return
     chunk_len = tl.minimum(BT, seq_len - t0)
     dtype = k.dtype.element_ty
@@ -362,7 +363,7 @@ def kda_intra_wy_fwd(
         BK, BV = tiles("kda_intra_wy_fwd", K, V)
         args = (q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(), wide,
                 Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T)
-        # Every chunk runs in one of the two launches (both when A is given: no diagonal blocks).
+        # Every chunk runs in one of the two launches; one launch when A is given (no diagonal blocks).
         for wide_chunks in (False, True) if compute_a else (False,):
             kda_intra_wy_fwd_kernel[(NT, B * HV)](
                 *args, H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
