@@ -112,6 +112,9 @@ def chunk_gla_fwd_o_kernel(
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    # t0 in int64, like the offsets it enters: chunk_span's int32 made this kernel spill 1060
+    # bytes instead of 872 on sm_90a (scripts/kernel_regs.py; KDA's kernels prefer the int32)
+    t0 = t0.to(tl.int64)
     if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
         return
     dtype = q.dtype.element_ty
@@ -158,6 +161,7 @@ def chunk_gla_bwd_dv_kernel(
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    t0 = t0.to(tl.int64)  # as in chunk_gla_fwd_o_kernel
     dtype = k.dtype.element_ty
     chunk_len = seq_len - t0
     chunk_row0 = (bos + t0) * H + i_h
@@ -201,6 +205,7 @@ def chunk_gla_bwd_dqkg_kernel(
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    t0 = t0.to(tl.int64)  # as in chunk_gla_fwd_o_kernel
     if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
         return
     dtype = q.dtype.element_ty
