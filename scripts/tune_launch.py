@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from triton.runtime.errors import OutOfResources
 
@@ -25,10 +26,13 @@ from bench_ops import _varlen_cu_seqlens, make_op
 from cp_linattn.ops.launch import LAUNCH
 
 # The kernels each op launches in forward+backward, and the values tried for each setting.
+# The launches of the exact diagonal path (`*_wide`) only do work under strong decays: the
+# in-kernel gate with N(0, 1) parameters (kda_gate) has them.
 OP_KERNELS = {
     "gla": ["chunk_state_forward", "chunk_state_backward", "gla_fwd_o", "gla_bwd_dv", "gla_bwd_dqkg"],
     "kda": ["delta_rule_fwd_h", "delta_rule_bwd_dhu", "kda_intra_wy_fwd", "kda_output", "kda_bwd_dAv",
             "kda_bwd_wy_dqkg", "kda_bwd_intra"],
+    "kda_gate": ["kda_intra_wy_fwd_wide", "kda_bwd_intra_wide"],
 }
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 
@@ -63,6 +67,17 @@ def profile_kernels(step: Callable[[], object], reps: int = 5) -> list[tuple[str
     rows = [(e.key, e.device_time_total / 1e3 / reps, e.count // reps) for e in prof.key_averages()
             if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+def launch_sequence(step: Callable[[], object]) -> list[tuple[str, float]]:
+    """(kernel, CUDA ms) of every launch of one warm call, in launch order: the two launches of
+    a split kernel (dot, then exact diagonal path) share a name and show up one after the other."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time_total / 1e3) for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+            if e.device_type == DeviceType.CUDA]
 
 
 def kernel_profile(op: str, T: int, varlen: bool = False) -> list[tuple[str, float, int]]:
@@ -114,6 +129,7 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true", help="only print the profile")
     p.add_argument("--varlen", action="store_true",
                    help="profile bench_ops.py's packed varlen batch of T tokens (with --no-sweep)")
+    p.add_argument("--sequence", action="store_true", help="also list every launch of one call in order")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(torch.cuda.get_device_name(), time.strftime("%Y-%m-%d"), "triton", triton.__version__)
@@ -123,6 +139,9 @@ def main() -> None:
     for op in args.ops:
         title = f"{op} T={args.T}{' varlen' if args.varlen else ''} (current settings)"
         print_profile(title, kernel_profile(op, args.T, args.varlen))
+        if args.sequence:
+            for name, ms in launch_sequence(warm_fwd_bwd_step(op, args.T, args.varlen)):
+                print(f"    {ms:8.3f} ms  {name[:90]}")
         if args.no_sweep:
             continue
         tune(op, args.T, [k for k in OP_KERNELS[op] if args.kernels is None or k in args.kernels], log)

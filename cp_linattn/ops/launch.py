@@ -20,16 +20,22 @@ LAUNCH: dict[str, dict[str, int]] = {
     "add_decayed_state": dict(BK=64, BV=64, num_warps=4, num_stages=1),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
     "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
+    # The kernels launched twice (dot and exact diagonal blocks, cp_linattn/ops/common/intra.py)
+    # have an entry per launch, the exact one under `<kernel>_wide` (`split_launch`).
     # Chunk-parallel GLA kernels: a V tile as wide as the head builds the intra-chunk
     # scores once per chunk instead of once per V tile.
     "gla_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=2),
+    "gla_fwd_o_wide": dict(BK=64, BV=128, num_warps=4, num_stages=2),
     "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
     "gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
+    "gla_bwd_dqkg_wide": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_intra_wy_fwd": dict(BK=32, BV=64, num_warps=2, num_stages=1),
+    "kda_intra_wy_fwd_wide": dict(BK=32, BV=64, num_warps=2, num_stages=1),
     "kda_output": dict(BK=64, BV=128, num_warps=4, num_stages=1),
     "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
     "kda_bwd_wy_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_bwd_intra": dict(BK=64, num_warps=2, num_stages=1),
+    "kda_bwd_intra_wide": dict(BK=64, num_warps=2, num_stages=1),
     "fused_chunk_gla_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "fused_chunk_gla_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
 }
@@ -40,6 +46,11 @@ _BLOCK_KEYS = ("BK", "BV")
 def launch_options(kernel: str) -> dict[str, int]:
     """The `num_warps`/`num_stages` keyword arguments of `kernel`'s launch."""
     return {k: v for k, v in LAUNCH[kernel].items() if k not in _BLOCK_KEYS}
+
+
+def split_launch(kernel: str, wide: bool) -> str:
+    """The entry of one launch of a kernel run twice: the exact-path launch (`wide`) has its own."""
+    return f"{kernel}_wide" if wide else kernel
 
 
 def tile(kernel: str, key: str, dim: int) -> int:

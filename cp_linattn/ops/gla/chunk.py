@@ -37,7 +37,7 @@ from cp_linattn.ops.common.intra import in_this_launch, new_wide_bits, span_limi
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, scatter_final_state)
-from cp_linattn.ops.launch import launch_options, tiles
+from cp_linattn.ops.launch import launch_options, split_launch, tiles
 from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
 
 CHUNK_SIZE = 64
@@ -327,17 +327,18 @@ def chunk_gla_fwd_o(
     (`[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`); and the scaled
     intra-chunk scores A `[B, T, H, CHUNK_SIZE]` in q's dtype (row t of a chunk holds
     `scale * sum_k q_tk k_sk exp(b_tk - b_sk)` for its keys s <= t, zeros after), which dv reads."""
-    B, T, H, K, V, BK, BV = _launch_shape("gla_fwd_o", q, v)
     NT = h.shape[1]
     o = torch.empty_like(v)
-    A = q.new_empty(B, T, H, CHUNK_SIZE)
+    A = q.new_empty(*q.shape[:3], CHUNK_SIZE)
     if NT > 0:
         for wide_chunks in (False, True):  # each chunk runs in one of them
+            kernel = split_launch("gla_fwd_o", wide_chunks)
+            B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
             chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
                 q, k, v, gk, wide, h, o, A, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
-                **launch_options("gla_fwd_o"),
+                **launch_options(kernel),
             )
     return o, A
 
@@ -368,17 +369,18 @@ def chunk_gla_bwd_dqkg(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk (q's dtype) and dg (`dg_dtype`; accumulated in fp32), all `[B, T, H, K]`;
     gk and wide from `gla_gate_cumsum`."""
-    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dqkg", q, v)
     NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(gk, dtype=dg_dtype)
     if NT > 0:
         for wide_chunks in (False, True):  # each chunk runs in one of them
+            kernel = split_launch("gla_bwd_dqkg", wide_chunks)
+            B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
             chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
                 q, k, v, gk, wide, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
-                **launch_options("gla_bwd_dqkg"),
+                **launch_options(kernel),
             )
     return dq, dk, dg
 

@@ -39,7 +39,7 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import in_this_launch
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
-from cp_linattn.ops.launch import launch_options, tile, tiles
+from cp_linattn.ops.launch import launch_options, split_launch, tile, tiles
 
 
 @triton.jit
@@ -448,11 +448,12 @@ def chunk_kda_bwd(
         )
         # each sub-chunk runs in one of the two launches (dot or exact diagonal block)
         for wide_chunks in (False, True):
+            kernel = split_launch("kda_bwd_intra", wide_chunks)
             kda_bwd_intra_kernel[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * H)](
                 q, k, gk, beta, wide, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens,
                 chunk_indices, T, H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
-                BK=tile("kda_bwd_intra", "BK", K), IS_VARLEN=is_varlen, DOT_PREC=prec, WIDE=wide_chunks,
-                **launch_options("kda_bwd_intra"),
+                BK=tile(kernel, "BK", K), IS_VARLEN=is_varlen, DOT_PREC=prec, WIDE=wide_chunks,
+                **launch_options(kernel),
             )
     dA_log = ddt_bias = None
     if use_gate_in_kernel:

@@ -35,7 +35,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.intra import in_this_launch
-from cp_linattn.ops.launch import launch_options, tiles
+from cp_linattn.ops.launch import launch_options, split_launch, tiles
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -360,14 +360,15 @@ def kda_intra_wy_fwd(
     u = v.new_empty(v.shape) if compute_u else None
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
-        BK, BV = tiles("kda_intra_wy_fwd", K, V)
         args = (q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(), wide,
                 Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T)
         # Every chunk runs in one of the two launches; one launch when A is given (no diagonal blocks).
         for wide_chunks in (False, True) if compute_a else (False,):
+            kernel = split_launch("kda_intra_wy_fwd", wide_chunks)
+            BK, BV = tiles(kernel, K, V)
             kda_intra_wy_fwd_kernel[(NT, B * HV)](
                 *args, H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None,
-                DOT_PREC=dot_precision(k.dtype), WIDE=wide_chunks, **launch_options("kda_intra_wy_fwd"),
+                DOT_PREC=dot_precision(k.dtype), WIDE=wide_chunks, **launch_options(kernel),
             )
     return w, u, qg, kg, Aqk, Akk
