@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from cp_linattn.ops.gla.chunk import chunk_gla_bwd_dqkg_kernel, chunk_gla_fwd_o_kernel
 from cp_linattn.ops.kda.chunk_bwd import kda_bwd_intra_kernel
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd_kernel
-from cp_linattn.ops.launch import LAUNCH, launch_options
+from cp_linattn.ops.launch import LAUNCH, launch_options, split_launch
 
 H, K, V = 16, 128, 128
 # Argument types by name (bf16 inputs and outputs, fp32 gate cumsum, chunk matrices and KDA's
@@ -45,30 +45,31 @@ def _tiles(kernel: str) -> dict:
     return {n: LAUNCH[kernel][n] for n in ("BK", "BV") if n in LAUNCH[kernel]}
 
 
-# kernel -> (jit function, constexprs for HV value heads, argument types)
+# kernel -> (jit function, constexprs for HV value heads and a launch's LAUNCH entry, argument types)
 KERNELS = {
     "kda_intra_wy_fwd": (kda_intra_wy_fwd_kernel,
-                         lambda HV: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
-                                         **_tiles("kda_intra_wy_fwd"), COMPUTE_A=True, COMPUTE_U=True), TYPES),
+                         lambda HV, entry: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+                                                **_tiles(entry), COMPUTE_A=True, COMPUTE_U=True), TYPES),
     "kda_bwd_intra": (kda_bwd_intra_kernel,
-                      lambda HV: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("kda_bwd_intra")),
+                      lambda HV, entry: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                       TYPES),
     "gla_fwd_o": (chunk_gla_fwd_o_kernel,
-                  lambda HV: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("gla_fwd_o")),
+                  lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                   {**TYPES, **GLA_TYPES}),
     "gla_bwd_dqkg": (chunk_gla_bwd_dqkg_kernel,
-                     lambda HV: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles("gla_bwd_dqkg")),
+                     lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                      {**TYPES, **GLA_TYPES}),
 }
 
 
 def ptxas_report(kernel: str, HV: int, varlen: bool, wide: bool) -> str:
     fn, constexprs, types = KERNELS[kernel]
-    const = dict(constexprs(HV), IS_VARLEN=varlen, DOT_PREC="tf32", WIDE=wide)
+    entry = split_launch(kernel, wide)
+    const = dict(constexprs(HV, entry), IS_VARLEN=varlen, DOT_PREC="tf32", WIDE=wide)
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in const else types[n] for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(kernel))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(entry))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
