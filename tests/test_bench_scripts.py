@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +61,19 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
             for r, f, b in ((0, 0.3, 0.0), (1, 0.0, 0.5))]
     text = bench_cp.worst_rank_kernels(rows)
     assert text == "- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n", text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_launch_sequence_shows_both_launches_of_a_split_kernel(monkeypatch):
+    """tune_launch.py --sequence: one warm kda_gate call lists its launches in order, the
+    split kernels' dot and exact launches one after the other, each with a positive time."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("tune_launch", ROOT / "scripts" / "tune_launch.py")
+    tune_launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_launch)
+    launches = tune_launch.launch_sequence(tune_launch.warm_fwd_bwd_step("kda_gate", 256))
+    names = [name for name, _ in launches]
+    assert all(ms > 0 for _, ms in launches)
+    for kernel in ("kda_intra_wy_fwd", "kda_bwd_intra"):
+        first = next(i for i, name in enumerate(names) if kernel in name)
+        assert kernel in names[first + 1]
