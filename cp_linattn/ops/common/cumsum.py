@@ -48,7 +48,7 @@ def chunk_local_cumsum_kernel(
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
     if MARK_WIDE:
         tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
-        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, tl.arange(0, BT), o_d < D, seq_len - t0,
+        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, o_d < D, seq_len - t0,
                                   BC, BT // BC, SPAN_LIMIT)
 
 

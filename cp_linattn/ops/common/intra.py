@@ -47,24 +47,27 @@ def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def mark_wide_diagonal_blocks(wide_ptr, b_g, o_t, m_k, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
+def mark_wide_diagonal_blocks(wide_ptr, b_g, m_k, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
                               SPAN_LIMIT: tl.constexpr):
     """ORs into the int32 at `wide_ptr` bit s for every diagonal block s (rows s BC .. s BC + BC)
     of a chunk whose gate offsets from the block's middle row exceed SPAN_LIMIT.
 
-    b_g: fp32 `[NC * BC, BD]` chunk-local gate cumsum of one K tile (rows o_t, chunk-local,
-    valid below chunk_len; columns valid where m_k); the middle row is the one the kernels
-    take, min(s BC + BC / 2, chunk_len - 1). The int32 starts at 0; the K tiles of a chunk
-    OR their bits into it.
+    b_g: fp32 `[NC * BC, BD]` chunk-local gate cumsum of one K tile (rows valid below
+    chunk_len; columns valid where m_k); the middle row is the one the kernels take,
+    min(s BC + BC / 2, chunk_len - 1). The int32 starts at 0; the K tiles of a chunk OR their
+    bits into it. All blocks are measured at once in a `[NC, BC, BD]` view: one select-and-sum
+    for the middle rows and one max, where a loop over the blocks took a pass over the whole
+    tile per block and made the gate cumsum twice as slow as the plain one.
     """
-    m_t = o_t < chunk_len
-    bits = 0
-    for s in tl.static_range(NC):
-        i_mid = tl.minimum(s * BC + BC // 2, chunk_len - 1)
-        b_gm = tl.sum(tl.where((o_t == i_mid)[:, None], b_g, 0), axis=0)
-        in_block = m_t & (o_t >= s * BC) & (o_t < s * BC + BC)
-        b_rel = tl.where(in_block[:, None] & m_k[None, :], b_g - b_gm[None, :], 0)
-        bits += tl.where(within_span(b_rel, SPAN_LIMIT), 0, 1 << s)
+    b_g3 = tl.reshape(b_g, [NC, BC, b_g.shape[1]])
+    o_s = tl.arange(0, NC)
+    o_row = o_s[:, None] * BC + tl.arange(0, BC)[None, :]
+    i_mid = tl.minimum(o_s * BC + BC // 2, chunk_len - 1)
+    b_gm = tl.sum(tl.where((o_row == i_mid[:, None])[:, :, None], b_g3, 0), axis=1)
+    m_valid = (o_row < chunk_len)[:, :, None] & m_k[None, None, :]
+    b_span = tl.max(tl.max(tl.abs(tl.where(m_valid, b_g3 - b_gm[:, None, :], 0)), axis=2), axis=1)
+    # `<=` so that a NaN span counts as wide
+    bits = tl.sum(tl.where(b_span <= SPAN_LIMIT, 0, 1 << o_s))
     tl.atomic_or(wide_ptr, bits, mask=bits != 0)
 
 

@@ -88,7 +88,7 @@ def kda_gate_cumsum_kernel(
         b_cum = tl.cumsum(tl.where(m, b_gate, 0), axis=0)
         tl.store(g_cum + offs, b_cum, mask=m)
         if MARK_WIDE:
-            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_cum, tl.arange(0, BT), m_k, seq_len - t0,
+            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_cum, m_k, seq_len - t0,
                                       BC, BT // BC, SPAN_LIMIT)
 
 
