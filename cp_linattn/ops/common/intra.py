@@ -5,8 +5,8 @@ exact pair by pair, but a dot needs the exponent split per row: with a reference
 `exp(b_t - b_m) * exp(b_m - b_s)`. Inside a diagonal sub-block the two factors are not both
 <= 1 whichever m is chosen, so they stay finite (and far from the bf16/fp32 underflow) only
 while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block and
-use the dot when the span is at most `SAFE_SPAN`, otherwise the exact path (KDA: every
-pair's decay in one broadcast, `pair_decays`; GLA: one column per step). Typical gates (log-sigmoid, or KDA's safe gate with lower_bound >= -5) fit; only very
+use the dot when the span is at most `SAFE_SPAN`, otherwise the exact one-column-per-step
+path. Typical gates (log-sigmoid, or KDA's safe gate with lower_bound >= -5) fit; only very
 strong decays (below about -5 per token) take the slow path.
 
 The chunked GLA and KDA kernels measure the span once, where the gate cumsum is formed
@@ -77,20 +77,6 @@ def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.
     batch (`B * cdiv(T, chunk_size)`, or the rows of chunk_indices when varlen) and head."""
     NT = B * triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
     return torch.zeros(NT, H, dtype=torch.int32, device=device)
-
-
-@triton.jit
-def pair_decays(b_g, m_r, m_k):
-    """`exp(-|b_i - b_j|)` for every pair of rows i, j of one diagonal block, fp32 `[BC, BC, BK]`:
-    the exact decay between the two tokens whichever comes first (b is non-increasing), 0 where
-    either row is padding (m_r `[BC]`) or the channel is (m_k `[BK]`).
-
-    One broadcast tensor instead of a loop over the block's columns: the exact path is then as
-    parallel as the dot one, and under a strong gate (a fifth of the chunks with the in-kernel
-    gate's N(0, 1) parameters) its launches stopped costing as much as the dot launches.
-    """
-    m_pair = (m_r[:, None] & m_r[None, :])[:, :, None] & m_k[None, None, :]
-    return tl.exp(tl.where(m_pair, -tl.abs(b_g[:, None, :] - b_g[None, :, :]), float("-inf")))
 
 
 @triton.jit

@@ -36,7 +36,7 @@ from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import in_this_launch, pair_decays
+from cp_linattn.ops.common.intra import in_this_launch
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, split_launch, tile, tiles
@@ -227,14 +227,9 @@ def kda_bwd_intra_kernel(
         # strong decay they dominate, so bf16-rounded dot operands would leave their rounding as dg's error.
         p_diag = rows_i[:, None] * BT + o_i[None, :]
         m_strict = m_i[:, None] & (o_i[None, :] < o_i[:, None])
-        if not WIDE:
-            b_p_diag = tl.load(dS + p_diag, mask=m_strict, other=0).to(dtype)
-            b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0).to(dtype)
-            b_p_self = tl.load(dS + rows_i * BT + o_i, mask=m_i, other=0)
-        else:
-            # the exact path keeps dS, dL in fp32, dS's diagonal with the rest
-            b_p_diag = tl.load(dS + p_diag, mask=m_i[:, None] & (o_i[None, :] <= o_i[:, None]), other=0)
-            b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0)
+        b_p_diag = tl.load(dS + p_diag, mask=m_strict, other=0).to(dtype)
+        b_d_diag = tl.load(dL + p_diag, mask=m_strict, other=0).to(dtype)
+        b_p_self = tl.load(dS + rows_i * BT + o_i, mask=m_i, other=0)
 
         b_dbeta = tl.zeros([BC], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
@@ -311,14 +306,29 @@ def kda_bwd_intra_kernel(
                 b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
                                        input_precision=DOT_PREC)
             else:
-                # [i, j, k]: k_j e_ij and q_j e_ij; dS, dL masked to their triangles (dS with its
-                # diagonal) pick the pairs of each sum, as rows (dq, R) or transposed as columns (dk, C)
-                b_e = pair_decays(b_gi, m_i, m_k)
-                b_ke = b_ki[None, :, :] * b_e
-                b_dq += tl.sum(b_p_diag[:, :, None] * b_ke, axis=1)
-                b_r += tl.sum(b_d_diag[:, :, None] * b_ke, axis=1)
-                b_dks += tl.sum(tl.trans(b_p_diag)[:, :, None] * (b_qi[None, :, :] * b_e), axis=1)
-                b_cc += tl.sum((tl.trans(b_d_diag) * b_beta_i[None, :])[:, :, None] * b_ke, axis=1)
+                for j in range(BC):
+                    c = i_i * BC + j
+                    m_j = m_k & (c < chunk_len)
+                    p_j = ((bos + t0 + c) * H + i_h) * K + o_k
+                    b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
+                    b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                    row_j = (bos + t0 + c) * HV + i_hv
+                    b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
+                    b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
+                    # One exponent per pair serves both sides: gk is non-increasing, so
+                    # -|gk_i - gk_c| is gk_i - gk_c for the rows i >= c (token c as their column)
+                    # and gk_c - gk_i for i <= c (token c as their row); the masked loads of dS, dL
+                    # below keep each side to its own triangle.
+                    b_e = tl.exp(tl.where(m_i[:, None] & m_j[None, :], -tl.abs(b_gi - b_gj[None, :]), float("-inf")))
+                    b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
+                    b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
+                    b_dq += b_p[:, None] * b_kj[None, :] * b_e
+                    b_r += b_d[:, None] * b_kj[None, :] * b_e
+                    m_cols = m_i & (o_i <= c) & (c < chunk_len)
+                    b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
+                    b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
+                    b_dks += b_p[:, None] * b_qj[None, :] * b_e
+                    b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
             b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
             tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
             b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)

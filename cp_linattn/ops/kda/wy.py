@@ -19,7 +19,7 @@ dot handles each of the six off-diagonal 16 x 16 blocks; the first and last fact
 once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
 the safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly,
-in one `[BC, BC, BK]` broadcast (`pair_decays`). The span is measured where the gate cumsum is formed (the `wide`
+one key column per step. The span is measured where the gate cumsum is formed (the `wide`
 bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
 the dot path for the chunks whose blocks all fit and once with the exact path for the others.
 
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.common.intra import in_this_launch, pair_decays
+from cp_linattn.ops.common.intra import in_this_launch
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
 
 CHUNK_SIZE = 64
@@ -126,9 +126,17 @@ def sub_chunk_factors(
         b_sq += tl.dot((b_q * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
         b_sk += tl.dot((b_k * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
     else:
-        b_ke = b_k[None, :, :] * pair_decays(b_g, m_r, m_k)
-        b_sq += tl.sum(b_q[:, None, :] * b_ke, axis=2)
-        b_sk += tl.sum(b_k[:, None, :] * b_ke, axis=2)
+        o_b = tl.arange(0, BC)
+        for j in range(BC):
+            c = r0 + j
+            m_j = m_k & (c < chunk_len)
+            b_kj = tl.load(k + ((chunk_row0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
+            b_gj = tl.load(gk + ((chunk_row0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
+            b_kje = b_kj[None, :] * tl.exp(
+                tl.where(((o_r >= c) & m_r)[:, None] & m_k[None, :], b_g - b_gj[None, :], float("-inf")))
+            m_col = (o_b == j)[None, :]
+            b_sq += tl.where(m_col, tl.sum(b_q * b_kje, axis=1)[:, None], 0)
+            b_sk += tl.where(m_col, tl.sum(b_k * b_kje, axis=1)[:, None], 0)
     return b_q * b_ef, b_k * b_ef, b_kl, b_gf, b_gl, b_sq, b_sk
 
 
