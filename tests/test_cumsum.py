@@ -61,6 +61,18 @@ def test_wide_diagonal_blocks_match_reference(cu):
     assert torch.equal(wide, ref), (wide, ref)
 
 
+def test_wide_diagonal_blocks_never_miss_a_wide_block_of_mixed_sign_gates():
+    """Outside the ops' domain (gates of both signs; D = 8, below one tile) the marks may
+    flag more blocks than the exact span does, never fewer."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 130, 2, 8) * 0.5
+    wide = torch.zeros(3, 2, dtype=torch.int32)
+    y = chunk_local_cumsum(x, 64, wide=wide, sub_chunk_size=16, span_limit=2.0)
+    ref = _wide_reference(y, 64, 16, 2.0, None)
+    assert (ref != 0).any() and (ref != 15).any(), ref
+    assert torch.equal(wide & ref, ref), (wide, ref)
+
+
 def test_wide_diagonal_blocks_of_the_in_kernel_gate():
     from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
     from cp_linattn.ops.kda.naive import kda_gate

@@ -48,7 +48,7 @@ def chunk_local_cumsum_kernel(
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
     if MARK_WIDE:
         tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
-        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_y, o_d < D, seq_len - t0,
+        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_x, seq_len - t0,
                                   BC, BT // BC, SPAN_LIMIT)
 
 
@@ -79,7 +79,8 @@ def chunk_local_cumsum(
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     y = torch.empty_like(x, dtype=output_dtype)
-    BD = min(triton.next_power_of_2(D), 64)
+    # at least 16 wide: the wide-block marking takes a dot with the tile
+    BD = max(16, min(triton.next_power_of_2(D), 64))
     grid = (triton.cdiv(D, BD), NT, B * H)
     if NT > 0:
         chunk_local_cumsum_kernel[grid](

@@ -47,27 +47,35 @@ def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def mark_wide_diagonal_blocks(wide_ptr, b_g, m_k, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
+def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
                               SPAN_LIMIT: tl.constexpr):
     """ORs into the int32 at `wide_ptr` bit s for every diagonal block s (rows s BC .. s BC + BC)
-    of a chunk whose gate offsets from the block's middle row exceed SPAN_LIMIT.
+    of a chunk whose gate cumsum may stray more than SPAN_LIMIT from the block's middle row.
 
-    b_g: fp32 `[NC * BC, BD]` chunk-local gate cumsum of one K tile (rows valid below
-    chunk_len; columns valid where m_k); the middle row is the one the kernels take,
-    min(s BC + BC / 2, chunk_len - 1). The int32 starts at 0; the K tiles of a chunk OR their
-    bits into it. All blocks are measured at once in a `[NC, BC, BD]` view: one select-and-sum
-    for the middle rows and one max, where a loop over the blocks took a pass over the whole
-    tile per block and made the gate cumsum twice as slow as the plain one.
+    b_x: fp32 `[NC * BC, BD]` per-token log gates of one K tile of the chunk (0 on padding
+    rows and columns), whose chunk-local cumsum b the kernels use; the middle row is the one
+    they take, m = min(s BC + BC / 2, chunk_len - 1). For a row r of the block, |b_r - b_m| is
+    at most the sum of |x| between r and m, so the block is measured by two sums of |x|, from
+    its first row (exclusive) to m and from m (exclusive) to its last row: exact for the
+    non-positive gates the ops take, and never below the true span for any sign. All blocks'
+    sums come from one fp32 dot with a 0/1 segment matrix: the earlier per-block passes over
+    the tile made the marking cumsum twice as slow as the reverse one. The int32 starts at 0;
+    the K tiles of a chunk OR their bits into it.
     """
-    b_g3 = tl.reshape(b_g, [NC, BC, b_g.shape[1]])
-    o_s = tl.arange(0, NC)
-    o_row = o_s[:, None] * BC + tl.arange(0, BC)[None, :]
-    i_mid = tl.minimum(o_s * BC + BC // 2, chunk_len - 1)
-    b_gm = tl.sum(tl.where((o_row == i_mid[:, None])[:, :, None], b_g3, 0), axis=1)
-    m_valid = (o_row < chunk_len)[:, :, None] & m_k[None, None, :]
-    b_span = tl.max(tl.max(tl.abs(tl.where(m_valid, b_g3 - b_gm[:, None, :], 0)), axis=2), axis=1)
-    # `<=` so that a NaN span counts as wide
-    bits = tl.sum(tl.where(b_span <= SPAN_LIMIT, 0, 1 << o_s))
+    tl.static_assert(2 * NC <= 16, "one 16-row segment matrix covers the sums of up to 8 blocks")
+    o_w = tl.arange(0, 16)
+    block = o_w // 2
+    i_mid = tl.minimum(block * BC + BC // 2, chunk_len - 1)
+    i_last = tl.minimum(block * BC + BC - 1, chunk_len - 1)
+    lo = tl.where(o_w % 2 == 0, block * BC, i_mid)
+    hi = tl.where(o_w % 2 == 0, i_mid, i_last)
+    o_t = tl.arange(0, NC * BC)
+    segments = ((o_t[None, :] > lo[:, None]) & (o_t[None, :] <= hi[:, None])).to(tl.float32)
+    b_sums = tl.dot(segments, tl.abs(b_x), input_precision="ieee")
+    # `<=` so that a NaN sum counts as wide
+    b_wide = tl.max(tl.where(b_sums <= SPAN_LIMIT, 0, 1), axis=1)
+    b_block = tl.max(tl.reshape(tl.where(o_w < 2 * NC, b_wide, 0), [8, 2]), axis=1)
+    bits = tl.sum(b_block << tl.arange(0, 8))
     tl.atomic_or(wide_ptr, bits, mask=bits != 0)
 
 

@@ -85,10 +85,10 @@ def kda_gate_cumsum_kernel(
         tl.store(dbias_part + part_offs, tl.sum(b_dg, axis=0), mask=m_k)
         tl.store(dA_part + part_offs, tl.sum(tl.where(m, b_dgate * b_dA, 0), axis=0), mask=m_k)
     else:
-        b_cum = tl.cumsum(tl.where(m, b_gate, 0), axis=0)
-        tl.store(g_cum + offs, b_cum, mask=m)
+        b_gate = tl.where(m, b_gate, 0)
+        tl.store(g_cum + offs, tl.cumsum(b_gate, axis=0), mask=m)
         if MARK_WIDE:
-            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_cum, m_k, seq_len - t0,
+            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_gate, seq_len - t0,
                                       BC, BT // BC, SPAN_LIMIT)
 
 
