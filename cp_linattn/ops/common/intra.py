@@ -88,6 +88,48 @@ def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.
 
 
 @triton.jit
+def diagonal_split_factors(g_first, row_stride, b_g, m_r, o_k, m_k, rows, level, BISECT: tl.constexpr,
+                           BC: tl.constexpr):
+    """Row and column factors of one split of a diagonal `[BC, BC]` block's decays, so that
+    `exp(b_i - b_j) = rowfac_i * colfac_j` on the pairs (i > j) the split covers.
+
+    g_first: pointer to the block's first row of the fp32 gate cumsum (K tile at o_k, m_k),
+    row_stride between rows; b_g `[BC, BK]` those rows (valid where m_r, `rows` of them).
+
+    Without BISECT: the middle split, every pair, reference row m = min(BC / 2, rows - 1):
+    rowfac = exp(b - b_m), colfac = exp(b_m - b), finite while the block's span is small
+    (the dot path). With BISECT: level `level` (0 .. 3, a runtime int) of a bisection, the pairs
+    with i in the lower and j in the upper half of the same group of BC >> level rows,
+    reference r the upper half's last row: rowfac = exp(b_i - b_r), colfac = exp(b_r - b_j),
+    both <= 1 under any decay. The levels cover every pair i > j once, one dot each: the
+    exact path, where a loop over the block's columns had made the exact launches about four
+    times as slow per block as the dot ones.
+
+    Returns rowfac, colfac (fp32 `[BC, BK]`, 0 on rows outside the split) and the `[BC, BC]`
+    mask of the split's pairs (all true without BISECT).
+    """
+    o = tl.arange(0, BC)
+    m_rk = m_r[:, None] & m_k[None, :]
+    if not BISECT:
+        b_gm = tl.load(g_first + tl.minimum(BC // 2, rows - 1) * row_stride + o_k, mask=m_k, other=0)
+        # factor 1 on padding rows, whose q and k are 0
+        b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
+        return tl.exp(b_rel), tl.exp(-b_rel), (o[:, None] >= 0) & (o[None, :] >= 0)
+    tl.static_assert(BC == 16, "the kernels run log2(BC) = 4 bisection levels")
+    half = (BC // 2) >> level
+    lower = (o // half) % 2 == 1
+    group = o // (2 * half)
+    ref = group * (2 * half) + half - 1
+    # an upper half whose reference row is padding has no valid lower rows to pair with
+    m_ref = ref < rows
+    b_gr = tl.load(g_first + ref[:, None] * row_stride + o_k[None, :], mask=m_ref[:, None] & m_k[None, :], other=0)
+    b_rowfac = tl.exp(tl.where(m_rk & lower[:, None], b_g - b_gr, float("-inf")))
+    b_colfac = tl.exp(tl.where(m_rk & (m_ref & ~lower)[:, None], b_gr - b_g, float("-inf")))
+    pairs = lower[:, None] & ~lower[None, :] & (group[:, None] == group[None, :])
+    return b_rowfac, b_colfac, pairs
+
+
+@triton.jit
 def in_this_launch(b_wide, WIDE: tl.constexpr):
     """Whether a program whose blocks have the wide bit `b_wide` (nonzero: some block too wide
     for the dot path) belongs to the launch compiled with the exact path (WIDE) or to the

@@ -36,7 +36,7 @@ from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import in_this_launch
+from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, split_launch, tile, tiles
@@ -191,8 +191,8 @@ def kda_bwd_intra_kernel(
         dk_i += beta_i R_i + C_i,     dbeta_i += k_i . R_i,
         dgk  += q dq_S - k dk_S + beta k R - k C.
 
-    The diagonal block takes a dot split at its middle row, or with WIDE the exact per-pair
-    path: a program runs in the launch that matches its sub-chunk's bit in wide (int32
+    The diagonal block takes a dot split at its middle row, or with WIDE four dots, one per
+    level of its bisection (`diagonal_split_factors`, exact under any decay): a program runs in the launch that matches its sub-chunk's bit in wide (int32
     `[NT_all, HV]`, `kda_gate_cumsum`) for any value head of the group.
     """
     NC: tl.constexpr = BT // BC
@@ -222,7 +222,7 @@ def kda_bwd_intra_kernel(
         i_final = (bos + t0 + tl.minimum(i_i * BC + BC, chunk_len) - 1) * HV + i_hv
 
         b_beta_i = tl.load(beta + rows_i, mask=m_i, other=0).to(tl.float32)
-        # The diagonal blocks of dS and dL, strictly lower, for the dot path. dS's own diagonal (the
+        # The diagonal blocks of dS and dL, strictly lower, for the dots. dS's own diagonal (the
         # i == j terms, decay 1) is added exactly: in dg = q dq - k dk those terms cancel, and under
         # strong decay they dominate, so bf16-rounded dot operands would leave their rounding as dg's error.
         p_diag = rows_i[:, None] * BT + o_i[None, :]
@@ -292,43 +292,23 @@ def kda_bwd_intra_kernel(
                 b_ej = tl.exp(tl.where(m_ik, b_gl[None, :] - b_gi, float("-inf")))
                 b_dks += b_ej * b_sum_k
                 b_cc += b_ej * b_sum_c
-            if not WIDE:
-                i_mid = (bos + t0 + tl.minimum(i_i * BC + BC // 2, chunk_len - 1)) * HV + i_hv
-                b_gm = tl.load(gk + i_mid * K + o_k, mask=m_k, other=0)
-                b_rel = tl.where(m_ik, b_gi - b_gm[None, :], 0)
-                b_em = tl.exp(b_rel)
-                b_emi = tl.exp(-b_rel)
-                b_kt = (b_ki * b_emi).to(dtype)
-                b_dq += b_em * tl.dot(b_p_diag, b_kt, input_precision=DOT_PREC) + b_p_self[:, None] * b_ki
-                b_r += b_em * tl.dot(b_d_diag, b_kt, input_precision=DOT_PREC)
-                b_dks += b_emi * tl.dot(tl.trans(b_p_diag), (b_qi * b_em).to(dtype), input_precision=DOT_PREC)
-                b_dks += b_p_self[:, None] * b_qi
-                b_cc += b_emi * tl.dot(tl.trans(b_d_diag), (b_ki * b_em * b_beta_i[:, None]).to(dtype),
-                                       input_precision=DOT_PREC)
-            else:
-                for j in range(BC):
-                    c = i_i * BC + j
-                    m_j = m_k & (c < chunk_len)
-                    p_j = ((bos + t0 + c) * H + i_h) * K + o_k
-                    b_qj = tl.load(q + p_j, mask=m_j, other=0).to(tl.float32)
-                    b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
-                    row_j = (bos + t0 + c) * HV + i_hv
-                    b_gj = tl.load(gk + row_j * K + o_k, mask=m_j, other=0)
-                    b_beta_j = tl.load(beta + row_j, mask=c < chunk_len, other=0).to(tl.float32)
-                    # One exponent per pair serves both sides: gk is non-increasing, so
-                    # -|gk_i - gk_c| is gk_i - gk_c for the rows i >= c (token c as their column)
-                    # and gk_c - gk_i for i <= c (token c as their row); the masked loads of dS, dL
-                    # below keep each side to its own triangle.
-                    b_e = tl.exp(tl.where(m_i[:, None] & m_j[None, :], -tl.abs(b_gi - b_gj[None, :]), float("-inf")))
-                    b_p = tl.load(dS + rows_i * BT + c, mask=m_i & (o_i >= c), other=0)
-                    b_d = tl.load(dL + rows_i * BT + c, mask=m_i & (o_i > c), other=0)
-                    b_dq += b_p[:, None] * b_kj[None, :] * b_e
-                    b_r += b_d[:, None] * b_kj[None, :] * b_e
-                    m_cols = m_i & (o_i <= c) & (c < chunk_len)
-                    b_p = tl.load(dS + row_j * BT + o_i, mask=m_cols, other=0)
-                    b_d = tl.load(dL + row_j * BT + o_i, mask=m_cols & (o_i < c), other=0)
-                    b_dks += b_p[:, None] * b_qj[None, :] * b_e
-                    b_cc += (b_d * b_beta_j)[:, None] * b_kj[None, :] * b_e
+            # the diagonal block: the middle split, or with WIDE the four bisection levels
+            g_first = gk + ((bos + t0 + i_i * BC) * HV + i_hv) * K
+            for level in range(1 + 3 * WIDE):
+                b_rowfac, b_colfac, pairs = diagonal_split_factors(
+                    g_first, HV * K, b_gi, m_i, o_k, m_k, chunk_len - i_i * BC, level, WIDE, BC)
+                b_p, b_d = b_p_diag, b_d_diag
+                if WIDE:
+                    b_p = tl.where(pairs, b_p, 0)
+                    b_d = tl.where(pairs, b_d, 0)
+                b_kc = (b_ki * b_colfac).to(dtype)
+                b_dq += b_rowfac * tl.dot(b_p, b_kc, input_precision=DOT_PREC)
+                b_r += b_rowfac * tl.dot(b_d, b_kc, input_precision=DOT_PREC)
+                b_dks += b_colfac * tl.dot(tl.trans(b_p), (b_qi * b_rowfac).to(dtype), input_precision=DOT_PREC)
+                b_cc += b_colfac * tl.dot(tl.trans(b_d), (b_ki * b_rowfac * b_beta_i[:, None]).to(dtype),
+                                          input_precision=DOT_PREC)
+            b_dq += b_p_self[:, None] * b_ki
+            b_dks += b_p_self[:, None] * b_qi
             b_dg = b_qi * b_dq - b_ki * b_dks + b_ki * (b_beta_i[:, None] * b_r - b_cc)
             tl.store(dg + p_gi, tl.load(dg + p_gi, mask=m_ik, other=0) + b_dg, mask=m_ik)
             b_dq += tl.load(dq + p_gi, mask=m_ik, other=0)

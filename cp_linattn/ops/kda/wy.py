@@ -18,8 +18,8 @@ a column j of an earlier sub-chunk J (last row l) the difference is split in thr
 dot handles each of the six off-diagonal 16 x 16 blocks; the first and last factors are formed
 once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
-the safe gate with lower_bound >= -5 do); otherwise each pair's exponent is formed exactly,
-one key column per step. The span is measured where the gate cumsum is formed (the `wide`
+the safe gate with lower_bound >= -5 do); otherwise the block is bisected four times, one
+dot per level with factors <= 1 (`diagonal_split_factors`). The span is measured where the gate cumsum is formed (the `wide`
 bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
 the dot path for the chunks whose blocks all fit and once with the exact path for the others.
 
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.common.intra import in_this_launch
+from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
 
 CHUNK_SIZE = 64
@@ -99,7 +99,7 @@ def sub_chunk_factors(
 
     A later sub-chunk i pairs with this one (j) through exp(gf_i - gl_j) <= 1, so every factor
     of an off-diagonal block is at most 1. The diagonal block is split at its middle row (its
-    gate span known to fit), or with EXACT_DIAG formed pair by pair, exactly.
+    gate span known to fit), or with EXACT_DIAG bisected (`diagonal_split_factors`).
     """
     dtype = k.dtype.element_ty
     o_r = r0 + tl.arange(0, BC)
@@ -117,26 +117,22 @@ def sub_chunk_factors(
     b_kl = (b_k * tl.exp(tl.where(m_rk, b_gl[None, :] - b_g, float("-inf")))).to(dtype)
     b_sq = tl.zeros([BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([BC, BC], dtype=tl.float32)
-    if not EXACT_DIAG:
-        b_gm = tl.load(gk + ((chunk_row0 + tl.minimum(r0 + BC // 2, chunk_len - 1)) * HV + i_hv) * K + o_k,
-                       mask=m_k, other=0)
-        b_rel = tl.where(m_rk, b_g - b_gm[None, :], 0)
-        b_em = tl.exp(b_rel)
-        b_kt = tl.trans((b_k * tl.exp(-b_rel)).to(dtype))
-        b_sq += tl.dot((b_q * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
-        b_sk += tl.dot((b_k * b_em).to(dtype), b_kt, input_precision=DOT_PREC)
-    else:
-        o_b = tl.arange(0, BC)
-        for j in range(BC):
-            c = r0 + j
-            m_j = m_k & (c < chunk_len)
-            b_kj = tl.load(k + ((chunk_row0 + c) * H + i_h) * K + o_k, mask=m_j, other=0).to(tl.float32)
-            b_gj = tl.load(gk + ((chunk_row0 + c) * HV + i_hv) * K + o_k, mask=m_j, other=0)
-            b_kje = b_kj[None, :] * tl.exp(
-                tl.where(((o_r >= c) & m_r)[:, None] & m_k[None, :], b_g - b_gj[None, :], float("-inf")))
-            m_col = (o_b == j)[None, :]
-            b_sq += tl.where(m_col, tl.sum(b_q * b_kje, axis=1)[:, None], 0)
-            b_sk += tl.where(m_col, tl.sum(b_k * b_kje, axis=1)[:, None], 0)
+    g_first = gk + ((chunk_row0 + r0) * HV + i_hv) * K
+    for level in range(1 + 3 * EXACT_DIAG):
+        b_rowfac, b_colfac, pairs = diagonal_split_factors(
+            g_first, HV * K, b_g, m_r, o_k, m_k, chunk_len - r0, level, EXACT_DIAG, BC)
+        b_kt = tl.trans((b_k * b_colfac).to(dtype))
+        b_split_q = tl.dot((b_q * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
+        b_split_k = tl.dot((b_k * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
+        if EXACT_DIAG:
+            b_split_q = tl.where(pairs, b_split_q, 0)
+            b_split_k = tl.where(pairs, b_split_k, 0)
+        b_sq += b_split_q
+        b_sk += b_split_k
+    if EXACT_DIAG:  # the bisection leaves out i == j, decay 1
+        on_diagonal = tl.arange(0, BC)[:, None] == tl.arange(0, BC)[None, :]
+        b_sq += tl.where(on_diagonal, tl.sum(b_q * b_k, axis=1)[:, None], 0)
+        b_sk += tl.where(on_diagonal, tl.sum(b_k * b_k, axis=1)[:, None], 0)
     return b_q * b_ef, b_k * b_ef, b_kl, b_gf, b_gl, b_sq, b_sk
 
 
