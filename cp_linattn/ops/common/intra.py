@@ -89,15 +89,17 @@ def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.
 
 
 @triton.jit
-def diagonal_split_factors(g_first, row_stride, b_g, m_r, o_k, m_k, rows, level, BISECT: tl.constexpr,
+def diagonal_split_factors(g_first, row_stride, b_g, o, m_r, o_k, m_k, rows, level, BISECT: tl.constexpr,
                            BC: tl.constexpr):
-    """Row and column factors of one split of a diagonal `[BC, BC]` block's decays, so that
+    """Row and column factors of one split of the decays of diagonal `[BC, BC]` blocks, so that
     `exp(b_i - b_j) = rowfac_i * colfac_j` on the pairs (i > j) the split covers.
 
-    g_first: pointer to the block's first row of the fp32 gate cumsum (K tile at o_k, m_k),
-    row_stride between rows; b_g `[BC, BK]` those rows (valid where m_r, `rows` of them).
+    g_first: pointer to the tile's first row of the fp32 gate cumsum (K tile at o_k, m_k),
+    row_stride between rows; b_g `[R, BK]` the tile's rows o (`[R]`, 0 .. R - 1, R a multiple
+    of BC: its diagonal blocks are rows s BC .. s BC + BC), valid where m_r, `rows` of them.
 
-    Without BISECT: the middle split, every pair, reference row m = min(BC / 2, rows - 1):
+    Without BISECT (a tile of one block, R == BC): the middle split, every pair, reference
+    row m = min(BC / 2, rows - 1):
     rowfac = exp(b - b_m), colfac = exp(b_m - b), finite while the block's span is small
     (the dot path). With BISECT: level `level` (0 .. 3, a runtime int) of a bisection, the pairs
     with i in the lower and j in the upper half of the same group of BC >> level rows,
@@ -106,10 +108,9 @@ def diagonal_split_factors(g_first, row_stride, b_g, m_r, o_k, m_k, rows, level,
     exact path, where a loop over the block's columns had made the exact launches about four
     times as slow per block as the dot ones.
 
-    Returns rowfac, colfac (fp32 `[BC, BK]`, 0 on rows outside the split) and the `[BC, BC]`
+    Returns rowfac, colfac (fp32 `[R, BK]`, 0 on rows outside the split) and the `[R, R]`
     mask of the split's pairs (all true without BISECT).
     """
-    o = tl.arange(0, BC)
     m_rk = m_r[:, None] & m_k[None, :]
     if not BISECT:
         b_gm = tl.load(g_first + tl.minimum(BC // 2, rows - 1) * row_stride + o_k, mask=m_k, other=0)

@@ -10,8 +10,8 @@ dtype: exactly the operand of its dot) for the dv kernel. For the block of rows 
 and the columns before r the gate difference is split at b_r:
 `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
 tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each block's
-middle row when the gates allow it; otherwise exp(b_t - b_s) is taken pair by pair (one key
-column per step), which is exact for any decay. The gate cumsum marks the chunks whose blocks
+middle row when the gates allow it; otherwise they are bisected, one dot per level with
+factors <= 1 (`cp_linattn.ops.common.intra.diagonal_split_factors`), exact for any decay. The gate cumsum marks the chunks whose blocks
 are too wide for the dot (cp_linattn/ops/common/intra.py), and the output and dq/dk/dg
 kernels run twice: compiled with the dot path for the other chunks, and with the exact path
 for those.
@@ -33,7 +33,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import in_this_launch, new_wide_bits, span_limit
+from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch, new_wide_bits, span_limit
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, scatter_final_state)
@@ -63,7 +63,8 @@ def intra_chunk_scores(
 
     b_q, b_g: fp32 [BT, BK] tiles of q and the gate cumsum; chunk_row0: index of the chunk's
     first row in the flat (token, head) row space; rows at or past chunk_len are padding.
-    The diagonal blocks by a dot split at their middle rows, or with EXACT_DIAG pair by pair.
+    The diagonal blocks by a dot split at their middle rows, or with EXACT_DIAG by the four
+    dots of their bisection (`diagonal_split_factors`).
     """
     dtype = k.dtype.element_ty
     m_tk = m_t[:, None] & m_k[None, :]
@@ -85,16 +86,14 @@ def intra_chunk_scores(
         in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC) & (o_i[:, None] >= o_i[None, :])
         b_a += tl.where(in_diagonal, b_diag, 0)
     else:
-        block_start = (o_i // BC) * BC
-        for j in range(BC):
-            o_s = block_start + j
-            m_s = (o_s <= o_i) & m_t
-            m_sk = m_s[:, None] & m_k[None, :]
-            s_offs = (chunk_row0 + o_s[:, None] * H) * K + o_k[None, :]
-            b_ks = tl.load(k + s_offs, mask=m_sk, other=0).to(tl.float32)
-            b_gs = tl.load(gk + s_offs, mask=m_sk, other=0)
-            b_pair = tl.sum(tl.where(m_sk, b_q * b_ks * tl.exp(b_g - b_gs), 0), axis=1)
-            b_a += tl.where(o_i[None, :] == o_s[:, None], b_pair[:, None], 0)
+        for level in range(4):
+            b_rowfac, b_colfac, pairs = diagonal_split_factors(
+                gk + chunk_row0 * K, H * K, b_g, o_i, m_t, o_k, m_k, chunk_len, level, True, BC)
+            b_split = tl.dot((b_q * b_rowfac).to(dtype), tl.trans((b_k * b_colfac).to(dtype)),
+                             input_precision=DOT_PREC)
+            b_a += tl.where(pairs, b_split, 0)
+        # the bisection leaves out t == s, decay 1
+        b_a += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0)
     return b_a
 
 
@@ -259,36 +258,25 @@ def chunk_gla_bwd_dqkg_kernel(
         b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
         b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
         b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
-    if not WIDE:
-        b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
-        b_to_mid = tl.exp(b_rel)
-        b_from_mid = tl.exp(-b_rel)
-        # The t == s terms (decay 1) are added exactly, outside the dot: in dg = q dq - k dk
-        # they cancel, and under strong decay they dominate, so bf16-rounded dot operands
-        # would leave their rounding as dg's error.
-        on_diagonal = o_i[:, None] == o_i[None, :]
-        b_da_self = tl.sum(tl.where(on_diagonal, b_da, 0), axis=1)
-        b_da_strict = tl.where((o_i[:, None] // BC == o_i[None, :] // BC) & ~on_diagonal, b_da, 0).to(dtype)
-        b_dq += b_to_mid * tl.dot(b_da_strict, (b_k * b_from_mid).to(dtype), input_precision=DOT_PREC)
-        b_dk += b_from_mid * tl.dot(tl.trans(b_da_strict), (b_q * b_to_mid).to(dtype), input_precision=DOT_PREC)
-        b_dq += b_da_self[:, None] * b_k
-        b_dk += b_da_self[:, None] * b_q
-    else:
-        block_start = (o_i // BC) * BC
-        for j in range(BC):
-            o_p = block_start + j
-            # Row t pairs with key o_p[t] (dq); key s pairs with query o_p[s] (dk).
-            m_key = (o_p <= o_i) & m_t
-            m_query = (o_p >= o_i) & (o_p < chunk_len)
-            p_offs = (chunk_row0 + o_p[:, None] * H) * K + o_k[None, :]
-            b_da_key = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_da, 0), axis=1)
-            b_da_query = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_da, 0), axis=0)
-            m_pk = (m_key | m_query)[:, None] & m_k[None, :]
-            b_kp = tl.load(k + p_offs, mask=m_pk, other=0).to(tl.float32)
-            b_qp = tl.load(q + p_offs, mask=m_pk, other=0).to(tl.float32)
-            b_gp = tl.load(gk + p_offs, mask=m_pk, other=0)
-            b_dq += b_da_key[:, None] * b_kp * tl.exp(tl.where(m_key[:, None], b_g - b_gp, float("-inf")))
-            b_dk += b_da_query[:, None] * b_qp * tl.exp(tl.where(m_query[:, None], b_gp - b_g, float("-inf")))
+    # The diagonal blocks: the middle split, or with WIDE the four levels of their bisection.
+    # The t == s terms (decay 1) are added exactly, outside the dots: in dg = q dq - k dk they
+    # cancel, and under strong decay they dominate, so bf16-rounded dot operands would leave
+    # their rounding as dg's error.
+    on_diagonal = o_i[:, None] == o_i[None, :]
+    b_da_self = tl.sum(tl.where(on_diagonal, b_da, 0), axis=1)
+    b_da_strict = tl.where((o_i[:, None] // BC == o_i[None, :] // BC) & ~on_diagonal, b_da, 0).to(dtype)
+    for level in range(1 + 3 * WIDE):
+        if WIDE:
+            b_rowfac, b_colfac, pairs = diagonal_split_factors(
+                gk + chunk_row0 * K, H * K, b_g, o_i, m_t, o_k, m_k, chunk_len, level, True, BC)
+            b_da_split = tl.where(pairs, b_da_strict, 0)
+        else:
+            b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
+            b_rowfac, b_colfac, b_da_split = tl.exp(b_rel), tl.exp(-b_rel), b_da_strict
+        b_dq += b_rowfac * tl.dot(b_da_split, (b_k * b_colfac).to(dtype), input_precision=DOT_PREC)
+        b_dk += b_colfac * tl.dot(tl.trans(b_da_split), (b_q * b_rowfac).to(dtype), input_precision=DOT_PREC)
+    b_dq += b_da_self[:, None] * b_k
+    b_dk += b_da_self[:, None] * b_q
 
     b_dg_token = tl.where(m_tk, b_q * b_dq - b_k * b_dk, 0)
     b_dg = tl.sum(b_dg_token, axis=0)[None, :] - tl.cumsum(b_dg_token, axis=0) + b_dg_token

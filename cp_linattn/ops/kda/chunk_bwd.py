@@ -296,7 +296,8 @@ def kda_bwd_intra_kernel(
             g_first = gk + ((bos + t0 + i_i * BC) * HV + i_hv) * K
             for level in range(1 + 3 * WIDE):
                 b_rowfac, b_colfac, pairs = diagonal_split_factors(
-                    g_first, HV * K, b_gi, m_i, o_k, m_k, chunk_len - i_i * BC, level, WIDE, BC)
+                    g_first, HV * K, b_gi, tl.arange(0, BC), m_i, o_k, m_k, chunk_len - i_i * BC, level, WIDE,
+                    BC)
                 b_p, b_d = b_p_diag, b_d_diag
                 if WIDE:
                     b_p = tl.where(pairs, b_p, 0)

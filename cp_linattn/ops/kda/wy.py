@@ -120,7 +120,7 @@ def sub_chunk_factors(
     g_first = gk + ((chunk_row0 + r0) * HV + i_hv) * K
     for level in range(1 + 3 * EXACT_DIAG):
         b_rowfac, b_colfac, pairs = diagonal_split_factors(
-            g_first, HV * K, b_g, m_r, o_k, m_k, chunk_len - r0, level, EXACT_DIAG, BC)
+            g_first, HV * K, b_g, tl.arange(0, BC), m_r, o_k, m_k, chunk_len - r0, level, EXACT_DIAG, BC)
         b_kt = tl.trans((b_k * b_colfac).to(dtype))
         b_split_q = tl.dot((b_q * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
         b_split_k = tl.dot((b_k * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
