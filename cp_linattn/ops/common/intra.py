@@ -57,11 +57,14 @@ def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl
     rows and columns), whose chunk-local cumsum b the kernels use; the middle row is the one
     they take, m = min(s BC + BC / 2, chunk_len - 1). For a row r of the block, |b_r - b_m| is
     at most the sum of |x| between r and m, so the block is measured by two sums of |x|, from
-    its first row (exclusive) to m and from m (exclusive) to its last row: exact for the
-    non-positive gates the ops take, and never below the true span for any sign. All blocks'
-    sums come from one fp32 dot with a 0/1 segment matrix: the earlier per-block passes over
-    the tile made the marking cumsum twice as slow as the reverse one. The int32 starts at 0;
-    the K tiles of a chunk OR their bits into it.
+    its first row (exclusive) to m and from m (exclusive) to its last row: the span itself for
+    the non-positive gates the ops take, an upper bound of it for any sign. All blocks' sums
+    come from one tf32 dot with a 0/1 segment matrix (the earlier per-block passes over the
+    tile made the marking cumsum twice as slow as the reverse one; an fp32 dot on the FMA
+    units took 512 FMAs per thread, sm_90a PTX): tf32 rounds each |x| by at most 2^-11, so a
+    block may pass at a span 0.05% above SPAN_LIMIT, far inside the limit's margin (factors of
+    e^40 against fp32's e^88). The int32 starts at 0; the K tiles of a chunk OR their bits
+    into it.
     """
     tl.static_assert(2 * NC <= 16, "one 16-row segment matrix covers the sums of up to 8 blocks")
     o_w = tl.arange(0, 16)
@@ -72,7 +75,7 @@ def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl
     hi = tl.where(o_w % 2 == 0, i_mid, i_last)
     o_t = tl.arange(0, NC * BC)
     segments = ((o_t[None, :] > lo[:, None]) & (o_t[None, :] <= hi[:, None])).to(tl.float32)
-    b_sums = tl.dot(segments, tl.abs(b_x), input_precision="ieee")
+    b_sums = tl.dot(segments, tl.abs(b_x), input_precision="tf32")
     # `<=` so that a NaN sum counts as wide
     b_wide = tl.max(tl.where(b_sums <= SPAN_LIMIT, 0, 1), axis=1)
     b_block = tl.max(tl.reshape(tl.where(o_w < 2 * NC, b_wide, 0), [8, 2]), axis=1)
