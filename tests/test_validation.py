@@ -106,3 +106,17 @@ def test_cu_seqlens_checked_on_the_given_cpu_copy():
     with pytest.raises(ValueError, match="must end at T=10"):
         check_cu_seqlens(torch.tensor([0, 5, 10]), batch_size=1, seq_len=10, device=cu.device,
                          cpu_copy=torch.tensor([0, 5, 9]))
+
+
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+def test_bf16_on_the_cpu_is_refused_not_garbage(op):
+    """On the CPU the kernels run in Triton's interpreter, whose bf16 dots are wrong: the ops
+    refuse bf16 there, naming the dtype; the torch references still take it."""
+    import cp_linattn
+
+    q, k, v, g = (x.bfloat16() for x in _qkvg())
+    args = (q, k, v, g, torch.rand(*q.shape[:3]).bfloat16()) if op == "chunk_kda" else (q, k, v, g)
+    with pytest.raises(TypeError, match=r"bfloat16 need a CUDA device"):
+        getattr(cp_linattn, op)(*args)
+    o, _ = naive_recurrent_gla(q, k, v, g)
+    assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()

@@ -210,6 +210,16 @@ def check_inputs(
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_cpu=cu_cpu)
 
 
+def check_kernel_dtype(q: torch.Tensor) -> None:
+    """The Triton kernels run on the CPU only in Triton's interpreter, whose `tl.dot` takes
+    bfloat16 operands as raw bits (triton-lang/triton#11584, unsupported there): refuse
+    bfloat16 q/k/v on the CPU rather than return garbage. The torch references (naive.py)
+    take any float dtype anywhere."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise TypeError("q, k and v in bfloat16 need a CUDA device: on the CPU the kernels run in Triton's "
+                        "interpreter, which does not support bfloat16 dots; use float32 or float16 there")
+
+
 def check_option(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -38,7 +38,7 @@ from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, scatter_final_state)
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
+from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, prepare_varlen_chunks
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -477,6 +477,7 @@ def chunk_gla(
         cu_seqlens = check_cp_call(cp_context, cu_seqlens, cu_seqlens_cpu, q=q, k=k, v=v, g=g)
     dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu)
+    check_kernel_dtype(q)
     if cp_context is not None and initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.H, dims.K, dims.V),
                      device=q.device)

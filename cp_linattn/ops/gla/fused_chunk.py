@@ -29,7 +29,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.intra import SAFE_SPAN, within_span
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
+from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor
 
 CHUNK = 16
 
@@ -411,7 +411,9 @@ def _check_fused_inputs(q, k, v, g, initial_state, head_first: bool):
         check_tensor("v", v, shape=(B, H, T, None), device=q.device)
         check_tensor("g", g, shape=(B, H, T, K), device=q.device)
         q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
-    return check_inputs(q, k, v, g, initial_state=initial_state)
+    dims = check_inputs(q, k, v, g, initial_state=initial_state)
+    check_kernel_dtype(q)
+    return dims
 
 
 def fused_chunk_gla(

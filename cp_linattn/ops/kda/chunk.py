@@ -10,7 +10,7 @@ from cp_linattn.cp.state import compress_h0
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, prepare_varlen_chunks
+from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, prepare_varlen_chunks
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
@@ -183,6 +183,7 @@ def chunk_kda(
     dims = check_inputs(q, k, v, g, beta, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu,
                         allow_gva=True, state_v_first=state_v_first)
+    check_kernel_dtype(q)
     if cp_context is not None and initial_state is not None:
         shape = (dims.V, dims.K) if state_v_first else (dims.K, dims.V)
         check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.HV, *shape),
