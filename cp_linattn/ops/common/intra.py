@@ -5,9 +5,9 @@ exact pair by pair, but a dot needs the exponent split per row: with a reference
 `exp(b_t - b_m) * exp(b_m - b_s)`. Inside a diagonal sub-block the two factors are not both
 <= 1 whichever m is chosen, so they stay finite (and far from the bf16/fp32 underflow) only
 while every `|b - b_m|` of the block is small. The kernels take m in the middle of the block and
-use the dot when the span is at most `SAFE_SPAN`, otherwise an exact path: KDA bisects the
-block into dots whose factors are all <= 1 (`diagonal_split_factors`), GLA forms one column
-per step. Typical gates (log-sigmoid, or KDA's safe gate with lower_bound >= -5) fit; only very
+use the dot when the span is at most `SAFE_SPAN`, otherwise an exact path that bisects the
+block into dots whose factors are all <= 1 (`diagonal_split_factors`; fused_chunk_gla still
+forms one column per step). Typical gates (log-sigmoid, or KDA's safe gate with lower_bound >= -5) fit; only very
 strong decays (below about -5 per token) take the slow path.
 
 The chunked GLA and KDA kernels measure the span once, where the gate cumsum is formed

@@ -11,8 +11,9 @@ and the columns before r the gate difference is split at b_r:
 `exp(b_t - b_r) * exp(b_r - b_s)`, two factors <= 1, so any decay strength is safe and a
 tensor-core dot does the work. Inside the diagonal 16 x 16 blocks the split is at each block's
 middle row when the gates allow it; otherwise they are bisected, one dot per level with
-factors <= 1 (`cp_linattn.ops.common.intra.diagonal_split_factors`), exact for any decay. The gate cumsum marks the chunks whose blocks
-are too wide for the dot (cp_linattn/ops/common/intra.py), and the output and dq/dk/dg
+factors <= 1 (`cp_linattn.ops.common.intra.diagonal_split_factors`), exact for any decay.
+The gate cumsum marks the chunks whose blocks are too wide for the dot
+(cp_linattn/ops/common/intra.py), and the output and dq/dk/dg
 kernels run twice: compiled with the dot path for the other chunks, and with the exact path
 for those.
 

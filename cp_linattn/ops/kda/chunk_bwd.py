@@ -192,8 +192,9 @@ def kda_bwd_intra_kernel(
         dgk  += q dq_S - k dk_S + beta k R - k C.
 
     The diagonal block takes a dot split at its middle row, or with WIDE four dots, one per
-    level of its bisection (`diagonal_split_factors`, exact under any decay): a program runs in the launch that matches its sub-chunk's bit in wide (int32
-    `[NT_all, HV]`, `kda_gate_cumsum`) for any value head of the group.
+    level of its bisection (`diagonal_split_factors`, exact under any decay): a program runs
+    in the launch that matches its sub-chunk's bit in wide (int32 `[NT_all, HV]`,
+    `kda_gate_cumsum`) for any value head of the group.
     """
     NC: tl.constexpr = BT // BC
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)

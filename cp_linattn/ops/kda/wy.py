@@ -19,8 +19,8 @@ dot handles each of the six off-diagonal 16 x 16 blocks; the first and last fact
 once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
 the safe gate with lower_bound >= -5 do); otherwise the block is bisected four times, one
-dot per level with factors <= 1 (`diagonal_split_factors`). The span is measured where the gate cumsum is formed (the `wide`
-bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
+dot per level with factors <= 1 (`diagonal_split_factors`). The span is measured where the
+gate cumsum is formed (the `wide` bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
 the dot path for the chunks whose blocks all fit and once with the exact path for the others.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
