@@ -28,20 +28,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def diagonal_block_excess(b: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """For the chunk-local gate cumsum b `[L, H, K]` of one chunk, per `block`-token diagonal
+    block and head, the largest |b - b_mid| over its rows and keys, mid the block's middle row
+    (clipped to the chunk): `[cdiv(L, block), H]`, what the kernels compare with the dot path's
+    span limit (cp_linattn/ops/common/intra.py)."""
+    rows = []
+    for r in range(0, b.shape[0], block):
+        mid = min(r + block // 2, b.shape[0] - 1)
+        rows.append((b[r:r + block] - b[mid:mid + 1]).abs().amax(dim=(0, 2)))
+    return torch.stack(rows)
+
+
 def diagonal_block_spans(g: torch.Tensor, chunk: int = 64, block: int = 16) -> torch.Tensor:
-    """Per chunk (of one row, all heads), the largest |b - b_mid| over its 16-token blocks,
-    b the chunk-local gate cumsum and mid each block's middle row: what decides between the
-    dot and the column path of the diagonal blocks (cp_linattn/ops/common/intra.py)."""
+    """Per chunk (of one row, all heads and keys), the largest `diagonal_block_excess` of the
+    log gate g's chunk-local cumsum: what decides between the dot and the exact path of the diagonal
+    blocks."""
     T = g.shape[1]
-    spans = []
-    for c0 in range(0, T, chunk):
-        b = g[0, c0:c0 + chunk].float().cumsum(0)
-        worst = 0.0
-        for r in range(0, b.shape[0], block):
-            mid = min(r + block // 2, b.shape[0] - 1)
-            worst = max(worst, (b[r:r + block] - b[mid]).abs().max().item())
-        spans.append(worst)
-    return torch.tensor(spans)
+    chunks = (g[0, c0:c0 + chunk].float().cumsum(0) for c0 in range(0, T, chunk))
+    return torch.tensor([diagonal_block_excess(b.reshape(b.shape[0], 1, -1), block).max().item() for b in chunks])
 
 
 def set_tile_caps(monkeypatch: pytest.MonkeyPatch, prefixes: tuple[str, ...], caps: dict[str, int]) -> None:

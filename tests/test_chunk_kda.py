@@ -329,6 +329,8 @@ def test_gpu_bf16_long(T):
 
 
 @requires_cuda
-def test_gpu_fp32_tight():
+@pytest.mark.parametrize("lower_bound", [-5.0, None])  # None: the softplus gate, its log by lg2.approx
+def test_gpu_fp32_tight(lower_bound):
     inp = make_inputs(T=700, H=2, HV=2, K=128, V=64, gate="raw", normalise_k=False, device="cuda")
-    assert_close(run_both(inp, gate_in_kernel=True, l2=True, lower_bound=-5.0, safe_gate=True), rel=1e-3)
+    assert_close(run_both(inp, gate_in_kernel=True, l2=True, lower_bound=lower_bound,
+                          safe_gate=lower_bound is not None), rel=1e-3)

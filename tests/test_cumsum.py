@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from tests.conftest import diagonal_block_excess, requires_cuda
 
 
 def _reference(x, chunk, reverse, cu):
@@ -34,13 +35,8 @@ def _wide_reference(gk, chunk, block, limit, cu):
     rows = []
     for b, s, e in spans:
         for c in range(s, e, chunk):
-            piece = gk[b, c:min(c + chunk, e)]
-            bits = torch.zeros(gk.shape[2], dtype=torch.int32)
-            for i, r in enumerate(range(0, piece.shape[0], block)):
-                mid = min(r + block // 2, piece.shape[0] - 1)
-                too_wide = (piece[r:r + block] - piece[mid:mid + 1]).abs().amax(dim=(0, 2)) > limit
-                bits |= too_wide.to(torch.int32) << i
-            rows.append(bits)
+            too_wide = (diagonal_block_excess(gk[b, c:min(c + chunk, e)], block) > limit).to(torch.int32)
+            rows.append((too_wide << torch.arange(too_wide.shape[0])[:, None]).sum(0, dtype=torch.int32))
     return torch.stack(rows)
 
 
@@ -86,6 +82,31 @@ def test_wide_diagonal_blocks_of_the_in_kernel_gate():
     ref = _wide_reference(gk, 64, 16, 4.0, None)
     assert (ref[:, 0] == 0).all() and (ref[:, 1] != 0).any(), ref
     assert torch.equal(wide, ref)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_in_kernel_gate_forward_and_backward(device, lower_bound):
+    """The gate kernel's cumsum and its gradients (g, A_log, dt_bias) against autograd of the
+    torch gate, fp32. On the GPU its softplus takes the log by PTX lg2.approx."""
+    from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum, kda_gate_chunk_cumsum_bwd
+    from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate
+
+    torch.manual_seed(3)
+    # the spread reaches the softplus's identity branch (x > 20) and its far negative tail
+    g = (torch.randn(1, 150, 2, 80) * 8).to(device).requires_grad_()
+    A_log = torch.tensor([-1.0, 0.5], device=device, requires_grad=True)
+    dt_bias = torch.randn(160, device=device, requires_grad=True)
+    gate = kda_gate(g, A_log, dt_bias) if lower_bound is None else kda_lower_bound_gate(g, A_log, dt_bias, lower_bound)
+    ref = _reference(gate, 64, False, None)
+    dg_cum = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * dg_cum).sum(), [g, A_log, dt_bias])
+    with torch.no_grad():
+        gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size=64)
+        grads = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dg_cum, lower_bound, chunk_size=64)
+    torch.testing.assert_close(gk, ref, rtol=1e-5, atol=1e-4)
+    for name, ours, want in zip(("g", "A_log", "dt_bias"), grads, ref_grads):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"d{name}: {m}")
 
 
 def test_wide_needs_a_forward_cumsum():

@@ -6,6 +6,7 @@ value and the actual one, identically on every rank.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -218,6 +219,13 @@ def check_kernel_dtype(q: torch.Tensor) -> None:
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         raise TypeError("q, k and v in bfloat16 need a CUDA device: on the CPU the kernels run in Triton's "
                         "interpreter, which does not support bfloat16 dots; use float32 or float16 there")
+
+
+def compiled_for_nvidia(x: torch.Tensor) -> bool:
+    """Whether a kernel launched on `x` is compiled for an NVIDIA GPU (so inline PTX may be
+    used), rather than run by Triton's interpreter (`TRITON_INTERPRET=1`, or a CPU tensor)
+    or compiled for ROCm."""
+    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def check_option(name: str, value, allowed) -> None:

@@ -18,10 +18,25 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
+from cp_linattn.ops.utils import compiled_for_nvidia
 
 
 @triton.jit
-def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A: tl.constexpr):
+def log_of_one_to_two(b_z, APPROX_LOG: tl.constexpr):
+    """log(z) for z in [1, 2]. With APPROX_LOG, PTX `lg2.approx` (absolute error below 1e-6
+    there): the gate kernels are issue-bound, and `tl.log` compiles to libdevice's logf, a
+    dozen FMAs per element. Triton's interpreter (the CPU) cannot run inline PTX."""
+    if APPROX_LOG:
+        b_log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [b_z], dtype=tl.float32,
+                                           is_pure=True, pack=1)
+        return b_log2 * 0.6931471805599453
+    else:
+        return tl.log(b_z)
+
+
+@triton.jit
+def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A: tl.constexpr,
+                        APPROX_LOG: tl.constexpr):
     """(gate, d gate / d x, d gate / d A_log) for raw inputs b_x [BT, BK] and A_log b_A []."""
     if LOWER_BOUND:
         if HAS_A:
@@ -36,7 +51,7 @@ def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A:
     else:
         b_neg_a = -tl.exp(b_A)
         # max(x, 0) + log(1 + exp(-|x|)) cannot overflow for any x
-        b_sp = tl.maximum(b_x, 0) + tl.log(1 + tl.exp(-tl.abs(b_x)))
+        b_sp = tl.maximum(b_x, 0) + log_of_one_to_two(1 + tl.exp(-tl.abs(b_x)), APPROX_LOG)
         # F.softplus (the reference) switches to the identity above 20
         b_sp = tl.where(b_x > 20.0, b_x, b_sp)
         b_gate = b_neg_a * b_sp
@@ -53,7 +68,7 @@ def kda_gate_cumsum_kernel(
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr, MARK_WIDE: tl.constexpr, BC: tl.constexpr,
-    SPAN_LIMIT: tl.constexpr,
+    SPAN_LIMIT: tl.constexpr, APPROX_LOG: tl.constexpr,
 ):
     """Forward: g_cum = cumsum_in_chunk(gate(g)), and with MARK_WIDE the bits of the chunk's diagonal
     BC-blocks too wide for the dot path ORed into wide, int32 `[NT_all, HV]`
@@ -75,7 +90,7 @@ def kda_gate_cumsum_kernel(
         b_A = tl.load(A_log + i_h).to(tl.float32)
     else:
         b_A = 0.0
-    b_gate, b_dx, b_dA = kda_gate_activation(b_x, b_A, LOWER_BOUND, lower_bound, HAS_A)
+    b_gate, b_dx, b_dA = kda_gate_activation(b_x, b_A, LOWER_BOUND, lower_bound, HAS_A, APPROX_LOG)
     if BACKWARD:
         b_dc = tl.load(dg_cum + offs, mask=m, other=0).to(tl.float32)
         # the reverse cumsum as total - cumsum + own term: tl.cumsum(reverse=True) compiled to
@@ -112,6 +127,7 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
             HV=HV, K=K, BT=chunk_size, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
             MARK_WIDE=buffers.get("wide") is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
+            APPROX_LOG=compiled_for_nvidia(g),
         )
     return NT
 
