@@ -77,3 +77,22 @@ def test_launch_sequence_shows_both_launches_of_a_split_kernel(monkeypatch):
     for kernel in ("kda_intra_wy_fwd", "kda_bwd_intra"):
         first = next(i for i, name in enumerate(names) if kernel in name)
         assert kernel in names[first + 1]
+
+
+def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
+    """bench_cp.py end to end at tiny sizes, D=3 (a rank that receives no state, one that
+    both receives and sends, one that sends no state): it captures each rank's pre-process
+    calls (a KDA rank takes one of two alternatives per direction) and its output and
+    gradients match the single-rank run."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "scripts" / "bench_cp.py")
+    bench_cp = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_cp", bench_cp)
+    spec.loader.exec_module(bench_cp)
+    out = tmp_path / "cp.json"
+    monkeypatch.setattr(sys, "argv", ["bench_cp.py", "--smoke", "--ops", "kda", "gla", "--degrees", "3", "--T", "150",
+                                      "--H", "1", "--K", "16", "--V", "16", "--json", str(out)])
+    bench_cp.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["op"], r["rank"]) for r in rows) == [(op, r) for op in ("gla", "kda") for r in range(3)]
+    assert all(r["max_rel_err"] < 1e-5 for r in rows), [(r["op"], r["rank"], r["max_rel_err"]) for r in rows]

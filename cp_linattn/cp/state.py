@@ -4,14 +4,20 @@ A rank's last local sequence may continue on later ranks; its first may have sta
 earlier ones. Over a fragment the recurrence is affine in the entering state,
 `S -> M S + S_ext`, with M `[H, K]` (GLA: the diagonal of the total gate product) or
 `[H, K, K]` (KDA: the product of the chunks' delta-rule transitions). Each rank computes
-`(S_ext, M)` of its last fragment (KDA: a pass of its state kernel over the fragment;
-GLA: read off its local state pass, which starts a continued sequence from zero and gets
-the incoming state added afterwards), the ranks exchange them, and every rank folds the
+`(S_ext, M)` of its last fragment, the ranks exchange them, and every rank folds the
 fragments of the earlier ranks that share its first
 sequence: `S = 0; for j in prev: S = M_j S + S_ext_j`. The backward is the same fold in
 reverse time with transposed transitions: `dS = 0; for j in later (far to near):
 dS = M_j^T dS + dS_ext_j`, where dS_ext_j is the gradient leaving rank j's first fragment
 with no gradient arriving from beyond rank j.
+
+Where the messages come from. GLA reads them off its local passes, which start a continued
+sequence from zero and get the incoming state added afterwards. KDA's local passes cannot
+be corrected that way (the state enters v_new). So a rank that both receives and sends in
+a direction walks its fragment with its state kernel before its local pass (forward: its
+last fragment; backward: its first, in reverse), and a rank that receives nothing in a
+direction runs its local pass first and sends that pass's result, with no walk of its own. M is only read for a fragment that continues through its rank
+(the folds start from an origin rank's S_ext), so the others send zeros there.
 
 Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
 turned into `[K, V]` by the op before it gets here); the per-chunk states GLA corrects in
@@ -303,35 +309,59 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torc
 
 
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
-    """KDA forward pre-process and merge. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from the
-    intra-chunk WY stage. Returns (S_in `[HV, K, V]` K-first, or None; record).
+    """KDA forward pre-process and merge of a rank that receives a state (`pre_num_ranks >
+    0`), run before its local state pass. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from
+    the intra-chunk WY stage. Returns (S_in `[HV, K, V]` K-first; record).
 
-    One pass of the delta-rule state kernel gives both: the recurrence is linear in the state,
-    so running it on `[u, 0]` from `[h0, I]` yields `[S_ext, M]` with M the K x K transition
-    of the fragment (`final(S) = M S + S_ext`).
+    The message is the last local sequence's state from a zero start (S_ext) and, when that
+    sequence continues through this rank (its only sequence, from an earlier rank to a later
+    one), its transition M: the recurrence is linear in the state, so one pass of the
+    delta-rule state kernel on `[u, 0]` from `[0, I]` yields `[S_ext, M]`
+    (`final(S) = M S + S_ext`). A last sequence that starts here needs no transition (the
+    folds start from it: M is sent as zeros), so its pass runs on u alone, from the user's
+    state: half the columns. Ranks that receive nothing run their local pass first and send
+    its final state instead (`kda_send_final_state`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
-    if context.post_num_ranks:
-        start, _ = _last_fragment(context)
-        L = kg.shape[1] - start
-        h0 = _user_state_of_last(initial_state, context, state_v_first)
-        h0 = kg.new_zeros(1, HV, K, V, dtype=torch.float32) if h0 is None else h0
-        eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
-        u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
-        _, _, ht = chunk_delta_rule_fwd_h(kg[:, start:], w[:, start:], u_aug, gk[:, start:],
-                                          torch.cat([h0, eye], -1).contiguous(), True, chunk_size=CHUNK_SIZE,
-                                          store_chunk_states=False)
-        S_ext, M = ht[0, :, :, :V], ht[0, :, :, V:]
-    else:
-        S_ext, M = kg.new_zeros(HV, K, V, dtype=torch.float32), kg.new_zeros(HV, K, K, dtype=torch.float32)
-    return exchange_forward(S_ext, M, context)
+    M = kg.new_zeros(HV, K, K, dtype=torch.float32)
+    if not context.post_num_ranks:
+        return exchange_forward(kg.new_zeros(HV, K, V, dtype=torch.float32), M, context)
+    start, starts_here = _last_fragment(context)
+    fragment = (kg[:, start:], w[:, start:])
+    if starts_here:
+        _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:],
+                                          _user_state_of_last(initial_state, context, state_v_first), True,
+                                          chunk_size=CHUNK_SIZE, store_chunk_states=False)
+        return exchange_forward(ht[0], M, context)
+    L = kg.shape[1] - start
+    eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
+    u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
+    h0 = torch.cat([kg.new_zeros(1, HV, K, V, dtype=torch.float32), eye], -1).contiguous()
+    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u_aug, gk[:, start:], h0, True, chunk_size=CHUNK_SIZE,
+                                      store_chunk_states=False)
+    return exchange_forward(ht[0, :, :, :V], ht[0, :, :, V:], context)
+
+
+def kda_send_final_state(final_state: torch.Tensor, context: FLACPContext, state_v_first: bool) -> BoundaryExchange:
+    """KDA forward exchange of a rank that receives no state (`pre_num_ranks == 0`), run after
+    its local state pass: that pass started every local sequence from its own state, so the
+    last one's final state (fp32 `final_state[-1]`, layout as the states) is the message, and
+    that sequence starts here (no transition: zeros). No walk of its own. Returns the record."""
+    S_ext = final_state[-1].transpose(-1, -2) if state_v_first else final_state[-1]
+    HV, K = S_ext.shape[:2]
+    _, record = exchange_forward(S_ext, S_ext.new_zeros(HV, K, K), context)
+    return record
 
 
 def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record: BoundaryExchange,
                          state_v_first: bool):
-    """KDA backward (dhu) pre-process and merge: the local dht (layout as the states) with the
-    gradient from later ranks in the last local sequence's row. dv: the intra-chunk gradient of
-    v_new (`Aqk^T do`) of the local tokens."""
+    """KDA backward (dhu) pre-process and merge of a rank that receives a gradient
+    (`post_num_ranks > 0`), run before its local reverse pass: the local dht (layout as the
+    states) with the gradient from later ranks in the last local sequence's row. dv: the
+    intra-chunk gradient of v_new (`Aqk^T do`) of the local tokens. The message, when an
+    earlier rank reads it, is a dhu pass over the first fragment from a zero gradient. Ranks
+    that receive nothing run their local pass first and send its dh0
+    (`kda_send_first_state_grad`)."""
     context = record.context
     dht = gather_final_state_grad(dht_global, context)
     HV, K, V = kg.shape[2], kg.shape[3], do.shape[3]
@@ -348,3 +378,11 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
         dS_ext = kg.new_zeros(HV, K, V, dtype=torch.float32)
     shape = (HV, V, K) if state_v_first else (HV, K, V)
     return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, shape, state_v_first)
+
+
+def kda_send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_first: bool) -> None:
+    """KDA backward exchange of a rank that receives no gradient (`post_num_ranks == 0`), run
+    after its local reverse pass: with nothing arriving, that pass's gradient of the first
+    local sequence's initial state (`dh0[0]`, fp32, layout as the states) is the message
+    (read only when that sequence began on an earlier rank). No walk of its own."""
+    exchange_backward(dh0[0].transpose(-1, -2) if state_v_first else dh0[0], record)

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.cp.state import BoundaryExchange, kda_final_state_grad
+from cp_linattn.cp.state import (BoundaryExchange, gather_final_state_grad, kda_final_state_grad,
+                                 kda_send_first_state_grad)
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -401,12 +402,18 @@ def chunk_kda_bwd(
             HV=HV, V=V, BT=CHUNK_SIZE, BV=tile("kda_bwd_dAv", "BV", V), IS_VARLEN=is_varlen, DOT_PREC=prec,
             **launch_options("kda_bwd_dAv"),
         )
-    if cp_record is not None:
+    # A rank that receives no gradient runs its local reverse pass first: its dh0 is the message.
+    sends_after_pass = cp_record is not None and not cp_record.context.post_num_ranks
+    if sends_after_pass:
+        dht = gather_final_state_grad(dht, cp_record.context)
+    elif cp_record is not None:
         dht = kda_final_state_grad(qg, kg, w, gk, do, dv_o, scale, dht, cp_record, state_v_first)
     dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(
-        qg, kg, w, gk, do, dv_o, scale, dht, need_dh0, cu_seqlens, chunk_indices,
+        qg, kg, w, gk, do, dv_o, scale, dht, need_dh0 or sends_after_pass, cu_seqlens, chunk_indices,
         chunk_offsets, CHUNK_SIZE, state_v_first,
     )
+    if sends_after_pass:
+        kda_send_first_state_grad(dh0, cp_record, state_v_first)
     dqk_dtype = dqk_dtype or q.dtype
     dq_part = q.new_empty(B, T, HV, K, dtype=torch.float32)
     dk_part = torch.empty_like(dq_part)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.cp.context import FLACPContext
-from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_state
+from cp_linattn.cp.state import expand_h0, kda_incoming_state, kda_send_final_state, scatter_final_state
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -224,19 +224,26 @@ def chunk_kda_fwd(
     saved = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                                   cu_seqlens, chunk_indices)
     h0, record = initial_state, None
+    # A rank that receives no state runs its local pass first: that pass yields its message.
+    sends_after_pass = cp_context is not None and not cp_context.pre_num_ranks
     if cp_context is not None:
-        S_in, record = kda_incoming_state(saved["kg"], saved["w"], saved["u"], saved["gk"], initial_state,
-                                          cp_context, state_v_first)
+        S_in = None
+        if not sends_after_pass:
+            S_in, record = kda_incoming_state(saved["kg"], saved["w"], saved["u"], saved["gk"], initial_state,
+                                              cp_context, state_v_first)
+            if state_v_first:
+                S_in = S_in.transpose(-1, -2)
         HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-        if S_in is not None and state_v_first:
-            S_in = S_in.transpose(-1, -2)
         h0 = expand_h0(S_in, initial_state, cp_context, (HV, V, K) if state_v_first else (HV, K, V))
     h, v_new, final_state = chunk_delta_rule_fwd_h(
-        saved["kg"], saved["w"], saved["u"], saved["gk"], h0, output_final_state,
+        saved["kg"], saved["w"], saved["u"], saved["gk"], h0, output_final_state or sends_after_pass,
         cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first,
     )
+    if sends_after_pass:
+        record = kda_send_final_state(final_state, cp_context, state_v_first)
     o = kda_output(saved["qg"], v_new, h, saved["Aqk"], scale, cu_seqlens, chunk_indices, out_dtype=v.dtype)
-    if cp_context is not None and final_state is not None:
-        final_state = scatter_final_state(final_state, cp_context, cp_context.global_num_seqs, initial_state)
+    if cp_context is not None:
+        final_state = scatter_final_state(final_state, cp_context, cp_context.global_num_seqs, initial_state) \
+            if output_final_state else None
     saved.update(h=h, v_new=v_new, cp_record=record)
     return o, final_state, saved
