@@ -16,8 +16,9 @@ sequence from zero and get the incoming state added afterwards. KDA's local pass
 be corrected that way (the state enters v_new). So a rank that both receives and sends in
 a direction walks its fragment with its state kernel before its local pass (forward: its
 last fragment; backward: its first, in reverse), and a rank that receives nothing in a
-direction runs its local pass first and sends that pass's result, with no walk of its own. M is only read for a fragment that continues through its rank
-(the folds start from an origin rank's S_ext), so the others send zeros there.
+direction runs its local pass first and sends that pass's result, with no walk of its own.
+M is only read for a fragment that continues through its rank (the folds start from an
+origin rank's S_ext), so the others send zeros there.
 
 Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
 turned into `[K, V]` by the op before it gets here); the per-chunk states GLA corrects in
