@@ -324,16 +324,16 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     its final state instead (`kda_send_final_state`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
-    M = kg.new_zeros(HV, K, K, dtype=torch.float32)
     if not context.post_num_ranks:
-        return exchange_forward(kg.new_zeros(HV, K, V, dtype=torch.float32), M, context)
+        return exchange_forward(kg.new_zeros(HV, K, V, dtype=torch.float32),
+                                kg.new_zeros(HV, K, K, dtype=torch.float32), context)
     start, starts_here = _last_fragment(context)
     fragment = (kg[:, start:], w[:, start:])
     if starts_here:
         _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:],
                                           _user_state_of_last(initial_state, context, state_v_first), True,
                                           chunk_size=CHUNK_SIZE, store_chunk_states=False)
-        return exchange_forward(ht[0], M, context)
+        return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
     L = kg.shape[1] - start
     eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
     u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
