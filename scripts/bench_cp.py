@@ -9,10 +9,10 @@ tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T
   with the exact arguments the op passes them in a real CP step (captured from one):
     GLA forward  `expand_h0` + `gla_apply_incoming_state` (cp/state.py): the local state
              pass already gives this rank's message (its last fragment's final state from a
-             zero start, and the diagonal transition from the chunk decays), so what is left
-             is the all-gather, the fp32 fold of the earlier ranks' (S_ext, M), and one
-             chunk-parallel pass adding the incoming state to the first sequence's stored
-             states (`add_decayed_state`);
+             zero start, and the diagonal transition from the chunk decays the pass also
+             returns), so what is left is the all-gather, the fp32 fold of the earlier ranks'
+             (S_ext, M), and one chunk-parallel pass adding the incoming state to the first
+             sequence's stored states (`add_decayed_state`);
     GLA backward `gather_final_state_grad` + `gla_apply_incoming_grad`: the same in reverse
              (the message is the local reverse pass's dh0 of the first sequence);
     KDA forward  `kda_incoming_state` or `kda_send_final_state`, + `expand_h0`: a rank that
@@ -26,16 +26,17 @@ tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T
              seed's dhu pre-process, the all-gather and the fold) or
              `gather_final_state_grad` + `kda_send_first_state_grad` (one that receives none:
              its local reverse pass's dh0 is the message, no walk).
-  Every rank is timed and the table shows the one with the most pre-process kernel time.
-  Overhead = (pre fwd + pre bwd) / local fwd+bwd, against the 10% target, in two measures:
+  Every rank is timed and the table shows the one CP costs most (`cp_cost_pct`).
+  Overhead = (pre fwd + pre bwd) / local fwd+bwd, in two measures:
   kernel time (the summed durations of the GPU kernels a call launches, from torch.profiler:
   what a rank adds to the GPU's work, the target's measure) and wall time (do_bench, which
   also counts host launch gaps: the pre-process is a few dozen small launches, so at a few
   thousand tokens per rank its wall time is host time the GPU spends idle here, and which a
   real multi-GPU step, whose host runs ahead of the GPU, mostly hides).
-- CP fwd+bwd: the whole op under cp_context, end to end, as a cross-check: its excess over
-  local also counts what the pre-process timing leaves out (host-side validation, the h0
-  and dht the local kernels then read, KDA's dh0 of the incoming state).
+- CP fwd+bwd: the whole op under cp_context, end to end: its excess over local also counts
+  what the pre-process timing leaves out (host-side validation, the h0 and dht the local
+  kernels then read, KDA's dh0 of the incoming state). The target column judges the larger
+  of the two shares, in kernel time.
 
 How the emulation works: one process plays each rank in turn. A fake process group
 (torch's "fake" backend, world size D, rank r) gives `build_cp_context` and the op the
@@ -308,7 +309,7 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
         row["overhead_kernel_pct"] = 100 * (row["pre_fwd_kernel_ms"] + row["pre_bwd_kernel_ms"]) \
             / row["local_fwd_bwd_kernel_ms"]
         row["cp_excess_kernel_pct"] = 100 * (row["cp_fwd_bwd_kernel_ms"] / row["local_fwd_bwd_kernel_ms"] - 1)
-    row["within_target"] = row.get("overhead_kernel_pct", row["overhead_pct"]) <= TARGET_PCT
+    row["within_target"] = cp_cost_pct(row) <= TARGET_PCT
     return row
 
 
@@ -350,15 +351,18 @@ def bench_op(name: str, T: int, H: int, K: int, V: int, degrees: list[int], devi
     return rows
 
 
-def _pre_cost(row: dict) -> float:
-    """What the table ranks the ranks by: the pre-process kernel time (wall time without CUDA)."""
-    if row.get("pre_fwd_kernel_ms") is not None:
-        return row["pre_fwd_kernel_ms"] + row["pre_bwd_kernel_ms"]
-    return row["pre_fwd_ms"] + row["pre_bwd_ms"]
+def cp_cost_pct(row: dict) -> float:
+    """What CP costs a rank, judged against the target and ranking the ranks: the larger of
+    the pre-process share and the CP excess, in kernel time (wall time without CUDA). The
+    excess counts what the pre-process calls leave out (the work the local kernels do
+    differently under CP)."""
+    if row.get("overhead_kernel_pct") is not None:
+        return max(row["overhead_kernel_pct"], row["cp_excess_kernel_pct"])
+    return max(row["overhead_pct"], row["cp_excess_pct"])
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (op, D): the rank with the most pre-process (kernel) time."""
+    """One line per (op, D): the rank CP costs most (`cp_cost_pct`)."""
     def ms(x: float | None) -> str:
         return "" if x is None else f"{x:.3f}"
 
@@ -370,7 +374,7 @@ def markdown(rows: list[dict]) -> str:
              "CP f+b ms | CP excess | max rel err |",
              "|" + "---|" * 16]
     for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
-        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=_pre_cost)
+        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=cp_cost_pct)
         pre_k = None if w.get("pre_fwd_kernel_ms") is None else w["pre_fwd_kernel_ms"] + w["pre_bwd_kernel_ms"]
         lines.append(f"| {op} | {D} | {w['tokens']} | {w['rank']} | {ms(w.get('local_fwd_bwd_kernel_ms'))} | "
                      f"{ms(pre_k)} | {pct(w.get('overhead_kernel_pct'))} | {'yes' if w['within_target'] else 'no'} | "
@@ -384,7 +388,7 @@ def worst_rank_kernels(rows: list[dict], top: int = 6) -> str:
     """The longest pre-process kernels of each (op, D)'s worst rank, as markdown lines."""
     lines = []
     for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
-        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=_pre_cost)
+        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=cp_cost_pct)
         for d in ("fwd", "bwd"):
             kernels = w.get(f"pre_{d}_kernels")
             if kernels:

@@ -48,19 +48,28 @@ def test_counts_of_every_case(bench_ops, group):
 
 
 def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
-    """bench_cp.py's per-kernel lines name, for each (op, D), the rank with the most
-    pre-process kernel time, its longest kernels first."""
+    """bench_cp.py's per-kernel lines name, for each (op, D), the rank CP costs most (the
+    larger of its pre-process share and its CP excess, which also sees what the local
+    kernels do differently under CP), its longest kernels first."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "scripts" / "bench_cp.py")
     bench_cp = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_cp", bench_cp)  # its dataclasses look their module up
     spec.loader.exec_module(bench_cp)
-    rows = [dict(op="kda", D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b,
-                 pre_fwd_kernels=[("fwd_walk", f, 1)] if f else [],
-                 pre_bwd_kernels=[("dhu_walk", b, 1), ("fold", 0.01, 3)])
-            for r, f, b in ((0, 0.3, 0.0), (1, 0.0, 0.5))]
+
+    def row(op, r, f, b, excess_pct):
+        return dict(op=op, D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b, local_fwd_bwd_kernel_ms=1.0,
+                    overhead_kernel_pct=100 * (f + b), cp_excess_kernel_pct=excess_pct,
+                    pre_fwd_kernels=[("fwd_walk", f, 1)] if f else [],
+                    pre_bwd_kernels=[("dhu_walk", b, 1), ("fold", 0.01, 3)])
+
+    rows = [row("kda", 0, 0.3, 0.0, 40.0), row("kda", 1, 0.0, 0.5, 20.0),
+            row("gla", 0, 0.05, 0.0, 12.0), row("gla", 1, 0.0, 0.08, 9.0)]
+    assert [bench_cp.cp_cost_pct(r) for r in rows] == pytest.approx([40.0, 50.0, 12.0, 9.0])
     text = bench_cp.worst_rank_kernels(rows)
-    assert text == "- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n", text
+    assert text == ("- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n"
+                    "- gla D=2 rank 0 pre fwd: fwd_walk 0.050 ms x1\n"
+                    "- gla D=2 rank 0 pre bwd: dhu_walk 0.000 ms x1, fold 0.010 ms x3\n"), text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

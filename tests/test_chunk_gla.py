@@ -159,8 +159,8 @@ def test_state_kernels_on_a_fragment(T):
     q, k, v, g, _ = make_inputs(1, T, H, K, V, 1, torch.float32, "cpu", with_h0=False)
     do = torch.randn(1, T, H, V)
     gk = chunk_local_cumsum(g, 64)
-    h, ht = chunk_fwd_h(k, v, gk, output_final_state=True)
-    dh, dh0 = chunk_bwd_dh(q, gk, do, scale, need_dh0=True)
+    h, ht, _ = chunk_fwd_h(k, v, gk, output_final_state=True)
+    dh, dh0, _ = chunk_bwd_dh(q, gk, do, scale, need_dh0=True)
     NT = (T + 63) // 64
     assert h.shape == dh.shape == (1, NT, H, K, V)
 
@@ -191,11 +191,11 @@ def test_state_kernels_with_incoming_state_and_gradient():
     q, k, v, g, h0 = make_inputs(1, 100, H, K, V, 2, torch.float32, "cpu")
     dht = torch.randn(2, H, K, V)
     gk = chunk_local_cumsum(g, 64, cu_seqlens=cu)
-    _, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=True, cu_seqlens=cu)
+    _, ht, _ = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=True, cu_seqlens=cu)
     _, ref_ht = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert max_rel_err(ht, ref_ht) <= 1e-5
     # Zero outputs' gradient: the initial state's gradient is dht carried back through the decay.
-    dh, dh0 = chunk_bwd_dh(q, gk, torch.zeros(1, 100, H, V), scale, dht=dht, need_dh0=True, cu_seqlens=cu)
+    dh, dh0, _ = chunk_bwd_dh(q, gk, torch.zeros(1, 100, H, V), scale, dht=dht, need_dh0=True, cu_seqlens=cu)
     expected = torch.stack([dht[n] * g[0, cu[n]:cu[n + 1]].sum(0).exp()[..., None] for n in range(2)])
     assert max_rel_err(dh0, expected) <= 1e-5
     assert dh.shape[1] == 3 and max_rel_err(dh[0, 0], dht[0]) <= 1e-6 and max_rel_err(dh[0, 2], dht[1]) <= 1e-6
@@ -203,24 +203,30 @@ def test_state_kernels_with_incoming_state_and_gradient():
 
 @pytest.mark.parametrize("states_dtype", [torch.float32, torch.float16])
 def test_late_state_addition_equals_rerun(states_dtype):
-    """`add_decayed_state` (GLA under CP adds the handed-over state after the local pass) gives
-    the states and gradients of a pass run from that state; fp16 h is rounded once more."""
-    T, H, K, V, scale = 150, 2, 32, 48, 0.5
+    """GLA under CP: the local passes run a continued sequence from zero and return the log
+    decays they sum; `add_decayed_state` with those decays then gives the states and
+    gradients of passes run from the handed-over state (the first of two packed sequences
+    forwards, the last backwards); fp16 h is rounded once more."""
+    cu = torch.tensor([0, 150, 230])
+    T, H, K, V, scale = 230, 2, 32, 48, 0.5
     q, k, v, g, _ = make_inputs(1, T, H, K, V, 1, torch.float32, "cpu", with_h0=False)
-    S, do = torch.randn(1, H, K, V), torch.randn(1, T, H, V)
-    gk = chunk_local_cumsum(g, 64)
-    decays = gk[0, [63, 127, T - 1]]
-    h, _ = chunk_fwd_h(k, v, gk, states_dtype=states_dtype)
-    add_decayed_state(h[0], torch.cat([torch.zeros(1, H, K), decays[:-1].cumsum(0)]), S[0])
-    h_ref, _ = chunk_fwd_h(k, v, gk, h0=S)
+    S, dS, do = torch.randn(H, K, V), torch.randn(H, K, V), torch.randn(1, T, H, V)
+    zero = torch.zeros(H, K, V)
+    gk = chunk_local_cumsum(g, 64, cu_seqlens=cu)
+    h, ht, (decay, total) = chunk_fwd_h(k, v, gk, output_final_state=True, states_dtype=states_dtype,
+                                        output_decays=True, cu_seqlens=cu)
+    assert decay.shape == (1, 5, H, K) and total.shape == (2, H, K)
+    add_decayed_state(h[0, :3], decay[0, :3], S)
+    h_ref, ht_ref, _ = chunk_fwd_h(k, v, gk, h0=torch.stack([S, zero]), output_final_state=True, cu_seqlens=cu)
     tol = 1e-6 if states_dtype == torch.float32 else 2e-3
     assert h.dtype == states_dtype and max_rel_err(h.float(), h_ref) <= tol
-    dh, _ = chunk_bwd_dh(q, gk, do, scale)
-    add_decayed_state(dh[0], torch.cat([decays[1:].flip(0).cumsum(0).flip(0), torch.zeros(1, H, K)]), S[0])
-    dh_ref, _ = chunk_bwd_dh(q, gk, do, scale, dht=S)
+    assert max_rel_err(ht[0] + total[0].exp()[..., None] * S, ht_ref[0]) <= 1e-6
+    dh, _, decay_after = chunk_bwd_dh(q, gk, do, scale, output_decays=True, cu_seqlens=cu)
+    add_decayed_state(dh[0, 3:], decay_after[0, 3:], dS)
+    dh_ref, _, _ = chunk_bwd_dh(q, gk, do, scale, dht=torch.stack([zero, dS]), cu_seqlens=cu)
     assert max_rel_err(dh, dh_ref) <= 1e-6
     with pytest.raises(ValueError, match=r"^decay must have shape"):
-        add_decayed_state(h[0], decays[:2], S[0])
+        add_decayed_state(h[0], decay[0, :2], S)
     with pytest.raises(ValueError, match=r"^states_dtype must be"):
         chunk_fwd_h(k, v, gk, states_dtype=torch.int32)
 

@@ -21,8 +21,7 @@ M is only read for a fragment that continues through its rank (the folds start f
 origin rank's S_ext), so the others send zeros there.
 
 Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
-turned into `[K, V]` by the op before it gets here); the per-chunk states GLA corrects in
-place keep their own dtype.
+turned into `[K, V]` by the op before it gets here).
 """
 from __future__ import annotations
 
@@ -43,7 +42,15 @@ def apply_transition(M: torch.Tensor, S: torch.Tensor, transpose: bool = False) 
     return (M.transpose(-1, -2) if transpose else M) @ S
 
 
-def _fold(states: list[torch.Tensor], transitions: list[torch.Tensor], transpose: bool) -> torch.Tensor:
+def _fold(states: torch.Tensor, transitions: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """`S = 0; for j: S = M_j S + S_ext_j` over states `[n, H, K, V]` and transitions
+    `[n, H, K]` or `[n, H, K, K]` (`M_j^T` with `transpose`)."""
+    if transitions.dim() == states.dim() - 1:
+        # Diagonal: S = sum_j (prod_{i > j} M_i) S_ext_j, a handful of launches for any n
+        # instead of two per step.
+        later = transitions[1:].flip(0).cumprod(0).flip(0)
+        weights = torch.cat([later, torch.ones_like(transitions[:1])])
+        return (weights[..., None] * states).sum(0)
     S = torch.zeros_like(states[0])
     for S_ext, M in zip(states, transitions):
         S = apply_transition(M, S, transpose) + S_ext
@@ -79,7 +86,7 @@ def exchange_forward(
         states = packed[:, : S_ext.numel()].view(-1, *S_ext.shape)
         transitions = packed[:, S_ext.numel():].view(-1, *M.shape)
         r, pre = context.rank, context.pre_num_ranks
-        S_in = _fold(list(states[r - pre: r]), list(transitions[r - pre: r]), False) if pre else None
+        S_in = _fold(states[r - pre: r], transitions[r - pre: r], False) if pre else None
         return S_in, BoundaryExchange(context, M, transitions)
 
     def outgoing(S_in: torch.Tensor | None) -> torch.Tensor:
@@ -104,8 +111,8 @@ def exchange_backward(dS_ext: torch.Tensor, record: BoundaryExchange) -> torch.T
         r, post = context.rank, context.post_num_ranks
         if not post:
             return None
-        later = range(r + post, r, -1)
-        return _fold([grads[j] for j in later], [record.M_all[j] for j in later], True)
+        later = torch.arange(r + post, r, -1, device=grads.device)  # far to near
+        return _fold(grads[later], record.M_all[later], True)
 
     def outgoing(dS_in: torch.Tensor | None) -> torch.Tensor:
         continues_through = context.num_seqs == 1 and dS_in is not None
@@ -222,67 +229,45 @@ def _with_incoming_grad(dht: torch.Tensor | None, dS_in: torch.Tensor | None, co
     return dht
 
 
-def _chunk_decays(gk: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """fp32 `[n, H, K]`: the total log decay of each chunk of the sequence on local tokens
-    [start, end), read off the chunk-local gate cumsum gk `[1, T, H, K]` at each chunk's
-    last token."""
-    last = torch.arange(start + CHUNK_SIZE - 1, end + CHUNK_SIZE - 1, CHUNK_SIZE, device=gk.device)
-    return gk[0, last.clamp_(max=end - 1)].float()
-
-
-def _decay_between(decays: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """fp32 `[n, H, K]`: the log decay from a sequence's start to each chunk (the sum over the
-    chunks before it), or with `reverse` from each chunk to the sequence's end (over those
-    after it). The scan runs along the last dim of an `[H * K, n]` copy: torch's scan over the
-    leading dim of `[n, H * K]` gives each column one thread (46 us at n = 256 on an H100,
-    against a few us for the copies)."""
-    n, H, K = decays.shape
-    x = decays.reshape(n, H * K).t().contiguous()
-    if reverse:
-        x = x.flip(1)
-    x = torch.nn.functional.pad(x[:, :-1].cumsum(1), (1, 0))
-    if reverse:
-        x = x.flip(1)
-    return x.t().reshape(n, H, K).contiguous()
-
-
-def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None, gk: torch.Tensor,
+def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None,
+                             decays: tuple[torch.Tensor, torch.Tensor] | None,
                              context: FLACPContext) -> BoundaryExchange:
     """GLA forward pre-process and merge, run after the local state pass.
 
     The local pass (`chunk_fwd_h`) starts the first local sequence from zero when it began on
     an earlier rank; it thereby already yields this rank's message: the last fragment's
-    contribution S_ext (its final state from the state it starts with here) and, from the
-    chunk decays, its diagonal transition `exp(sum of g)`. After the exchange, the state
-    S_in entering the first sequence is added to its per-chunk states and final state in
-    place: the recurrence is linear, so `h[c] += Diag(exp(decay before chunk c)) S_in` is
-    the rerun from S_in, at the cost of one pass over those states instead of a second walk.
+    contribution S_ext (its final state from the state it starts with here) and its diagonal
+    transition `exp(total log decay)`, from the decays the pass returns. After the exchange,
+    the state S_in entering the first sequence is added to its per-chunk states (and to its
+    final state when it ends here) in place: the recurrence is linear, so
+    `h[c] += Diag(exp decay[c]) S_in` is the rerun from S_in, at the cost of one pass over
+    those states instead of a second walk. (Adding it inside the kernels that read h, with
+    no pass of its own, measured slower: BENCHMARKS.md.)
 
     Args:
         h: `[1, NT, H, K, V]` per-chunk states of the local pass (updated in place).
-        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (updated in place);
-            required when the last local sequence continues on a later rank.
-        gk: fp32 `[1, T, H, K]` chunk-local gate cumsum.
+        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (row 0 updated in
+            place); required when the last local sequence continues on a later rank.
+        decays: `chunk_fwd_h(output_decays=True)`'s (decay `[1, NT, H, K]`, total
+            `[num_seqs, H, K]`); required when a sequence crosses this rank's boundaries.
     """
-    T = gk.shape[1]
-    H, K, V = h.shape[2:]
-    decays = _chunk_decays(gk, 0, int(context.cu_seqlens_cpu[1])) if context.pre_num_ranks else None
     if context.post_num_ranks:
-        start, _ = _last_fragment(context)
-        # With one local sequence the last fragment is the first one: its decays are at hand.
-        last = decays if decays is not None and context.num_seqs == 1 else _chunk_decays(gk, start, T)
-        S_ext, M = ht[-1].clone(), last.sum(0).exp()
+        S_ext, M = ht[-1], decays[1][-1].exp()
     else:
-        S_ext, M = h.new_zeros(H, K, V, dtype=torch.float32), h.new_zeros(H, K, dtype=torch.float32)
+        S_ext = h.new_zeros(h.shape[2:], dtype=torch.float32)
+        M = S_ext.new_zeros(S_ext.shape[:2])
     S_in, record = exchange_forward(S_ext, M, context)
     if S_in is not None:
-        add_decayed_state(h[0, :decays.shape[0]], _decay_between(decays, reverse=False), S_in)
-        if ht is not None:
-            ht[0] += decays.sum(0).exp()[..., None] * S_in
+        decay, total = decays
+        n = -(-int(context.cu_seqlens_cpu[1]) // CHUNK_SIZE)
+        add_decayed_state(h[0, :n], decay[0, :n], S_in)
+        first_ends_here = context.num_seqs > 1 or not context.post_num_ranks
+        if ht is not None and first_ends_here:
+            ht[0] += total[0].exp()[..., None] * S_in
     return record
 
 
-def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torch.Tensor,
+def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, decay: torch.Tensor | None,
                             record: BoundaryExchange) -> None:
     """GLA backward pre-process and merge, run after the local reverse pass (`chunk_bwd_dh`
     with the last row of dht zero when that sequence continues later, and dh0).
@@ -290,23 +275,26 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, gk: torc
     The local pass's dh0 of the first local sequence is this rank's message, the gradient
     leaving its first fragment with none arriving from beyond this rank. The gradient dS_in
     arriving at the end of the last local sequence is then added to that sequence's per-chunk
-    gradients (`dh[c] += Diag(exp(decay after chunk c)) dS_in`) and to its dh0, in place.
+    gradients (`dh[c] += Diag(exp decay[c]) dS_in`) and, when it starts here, to its dh0, in
+    place.
 
     Args:
         dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]` (required when the first
-            local sequence began on an earlier rank); gk: fp32 `[1, T, H, K]`.
+            local sequence began on an earlier rank); decay: `chunk_bwd_dh(output_decays=True)`'s
+            `[1, NT, H, K]` (required when the last one continues on a later rank).
     """
     context = record.context
-    T = gk.shape[1]
-    H, K, V = dh.shape[2:]
-    dS_ext = dh0[0].clone() if context.pre_num_ranks else dh.new_zeros(H, K, V)
+    dS_ext = dh0[0] if context.pre_num_ranks else dh.new_zeros(dh.shape[2:])
     dS_in = exchange_backward(dS_ext, record)
-    if dS_in is not None:
-        start, _ = _last_fragment(context)
-        decays = _chunk_decays(gk, start, T)
-        add_decayed_state(dh[0, dh.shape[1] - decays.shape[0]:], _decay_between(decays, reverse=True), dS_in)
-        if dh0 is not None:
-            dh0[-1] += decays.sum(0).exp()[..., None] * dS_in
+    if dS_in is None:
+        return
+    start, _ = _last_fragment(context)
+    NT = dh.shape[1]
+    n = -(-(int(context.cu_seqlens_cpu[-1]) - start) // CHUNK_SIZE)
+    add_decayed_state(dh[0, NT - n:], decay[0, NT - n:], dS_in)
+    last_starts_here = context.num_seqs > 1 or not context.pre_num_ranks
+    if dh0 is not None and last_starts_here:
+        dh0[-1] += record.M_local[..., None] * dS_in
 
 
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):

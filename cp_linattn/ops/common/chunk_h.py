@@ -54,15 +54,17 @@ def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARL
 
 @triton.jit
 def chunk_state_forward_kernel(
-    k, v, gk, h, h0, ht,
+    k, v, gk, h, h0, ht, decay, decay_total,
     cu_seqlens, chunk_offsets,
     T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STORE_DECAY: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Writes h[chunk] = state entering each chunk; grid (cdiv(V, BV), cdiv(K, BK), N * H)."""
+    """Writes h[chunk] = state entering each chunk; grid (cdiv(V, BV), cdiv(K, BK), N * H).
+    With STORE_DECAY also the log decay from the sequence start to each chunk (decay) and
+    over the whole sequence (decay_total), written by the first V tile."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
@@ -76,6 +78,8 @@ def chunk_state_forward_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    b_decay = tl.zeros([BK], dtype=tl.float32)
+    m_decay = m_k & (i_v == 0)
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
@@ -92,22 +96,29 @@ def chunk_state_forward_kernel(
         b_k_to_end = tl.where(m_t[:, None], b_k * tl.exp(b_g_last[None, :] - b_g), 0)
         b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
             tl.trans(b_k_to_end.to(b_v.dtype)), b_v, input_precision=DOT_PREC)
+        if STORE_DECAY:
+            tl.store(decay + ((first_chunk + i_t) * H + i_h) * K + o_k, b_decay, mask=m_decay)
+            b_decay += b_g_last
 
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
+    if STORE_DECAY:
+        tl.store(decay_total + i_nh.to(tl.int64) * K + o_k, b_decay, mask=m_decay)
 
 
 @triton.jit
 def chunk_state_backward_kernel(
-    q, gk, do, dh, dht, dh0,
+    q, gk, do, dh, dht, dh0, decay,
     cu_seqlens, chunk_offsets,
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, STORE_DECAY: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Writes dh[chunk] = gradient of the state leaving each chunk; grid like the forward."""
+    """Writes dh[chunk] = gradient of the state leaving each chunk; grid like the forward.
+    With STORE_DECAY also the log decay from the end of each chunk to the sequence end
+    (decay), written by the first V tile."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
@@ -121,6 +132,7 @@ def chunk_state_backward_kernel(
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    b_decay = tl.zeros([BK], dtype=tl.float32)
 
     # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
     n_steps = tl.cdiv(seq_len, BT)
@@ -139,6 +151,9 @@ def chunk_state_backward_kernel(
         b_q_from_start = tl.where(m_t[:, None], b_q * tl.exp(b_g) * scale, 0)
         b_dh = b_dh * tl.exp(b_g_last)[:, None] + tl.dot(
             tl.trans(b_q_from_start.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        if STORE_DECAY:
+            tl.store(decay + ((first_chunk + i_t) * H + i_h) * K + o_k, b_decay, mask=m_k & (i_v == 0))
+            b_decay += b_g_last
 
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
@@ -169,7 +184,8 @@ def chunk_fwd_h(
     chunk_size: int = 64,
     store_chunk_states: bool = True,
     states_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    output_decays: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """States entering every chunk, and the final states.
 
     Args:
@@ -185,11 +201,17 @@ def chunk_fwd_h(
         states_dtype: dtype of the stored per-chunk states. The recurrence always runs in
             fp32; a kernel that casts h to its dot operands' dtype anyway (GLA's output) loses
             nothing when h is stored in that dtype, and reads half the bytes.
+        output_decays: also return the gate's log decays the walk sums on its way (the CP
+            runtime needs them to account for a state entering a sequence).
 
     Returns:
         h: `[B, NT, H, K, V]` in `states_dtype`, h[:, c] the state before chunk c (NT = chunks
             per row, or the total number of chunks of the packed batch with `cu_seqlens`), or None;
         ht: fp32 `[N, H, K, V]` state after each sequence's last token, or None.
+        decays: with `output_decays`, (fp32 `[B, NT, H, K]` log decay from the sequence's
+            start to the start of each chunk, fp32 `[N, H, K]` over each whole sequence);
+            else None. A state S entering sequence n adds `Diag(exp decay[c]) S` to h[c] and
+            `Diag(exp total[n]) S` to ht[n].
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -203,17 +225,19 @@ def chunk_fwd_h(
     h0 = h0.contiguous() if h0 is not None else None
     h = k.new_empty(B, NT, H, K, V, dtype=states_dtype) if store_chunk_states else None
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    decays = (k.new_empty(B, NT, H, K, dtype=torch.float32), k.new_empty(N, H, K, dtype=torch.float32)) \
+        if output_decays else None
     BK, BV = tiles("chunk_state_forward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_forward_kernel[grid](
-            k, v, gk, h, h0, ht, cu_seqlens, chunk_offsets, T,
+            k, v, gk, h, h0, ht, *(decays or (None, None)), cu_seqlens, chunk_offsets, T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
-            IS_VARLEN=cu_seqlens is not None,
+            STORE_DECAY=output_decays, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(v.dtype), **launch_options("chunk_state_forward"),
         )
-    return h, ht
+    return h, ht, decays
 
 
 def chunk_bwd_dh(
@@ -228,7 +252,8 @@ def chunk_bwd_dh(
     chunk_offsets: torch.Tensor | None = None,
     chunk_size: int = 64,
     store_chunk_grads: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    output_decays: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunk states, for outputs `o_t = scale * S_t^T q_t`.
 
     Args:
@@ -238,6 +263,7 @@ def chunk_bwd_dh(
         cu_seqlens, chunk_indices, chunk_offsets: as in `chunk_fwd_h`.
         store_chunk_grads: False when only dh0 is wanted (the CP pre-process): dh is then
             neither allocated nor written, and None is returned for it.
+        output_decays: also return the log decays the reverse walk sums (for the CP runtime).
 
     Returns:
         dh: fp32 `[B, NT, H, K, V]`; dh[:, c] is the gradient w.r.t. the state at the END of
@@ -246,6 +272,9 @@ def chunk_bwd_dh(
             outputs, which is what the gradients of chunk c's k and v need.
         dh0: fp32 `[N, H, K, V]`, the gradient w.r.t. each sequence's initial state (from all
             its outputs and `dht`), or None unless `need_dh0`.
+        decay: with `output_decays`, fp32 `[B, NT, H, K]`, the log decay from the end of each
+            chunk to its sequence's end (a gradient dS arriving at the end of a sequence adds
+            `Diag(exp decay[c]) dS` to dh[c]); else None.
     """
     B, T, H, K = q.shape
     V = do.shape[-1]
@@ -259,17 +288,19 @@ def chunk_bwd_dh(
     dht = dht.contiguous() if dht is not None else None
     dh = q.new_empty(B, NT, H, K, V, dtype=torch.float32) if store_chunk_grads else None
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    decay = q.new_empty(B, NT, H, K, dtype=torch.float32) if output_decays else None
     BK, BV = tiles("chunk_state_backward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
         chunk_state_backward_kernel[grid](
-            q, gk, do, dh, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
+            q, gk, do, dh, dht, dh0, decay, cu_seqlens, chunk_offsets, float(scale), T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
-            IS_VARLEN=cu_seqlens is not None,
+            STORE_DECAY=output_decays, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(q.dtype), **launch_options("chunk_state_backward"),
         )
-    return dh, dh0
+    return dh, dh0, decay
+
 
 
 @triton.jit

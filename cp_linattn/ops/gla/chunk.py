@@ -391,18 +391,19 @@ class ChunkGLAFunction(torch.autograd.Function):
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk, wide = gla_gate_cumsum(g, q.dtype, **varlen)
-        h0, need_ht = initial_state, output_final_state
+        h0, need_ht, crosses = initial_state, output_final_state, False
         if cp_context is not None:
             # A sequence continued from an earlier rank starts from zero here; its incoming
             # state is added to the states after the exchange (gla_apply_incoming_state).
             h0 = expand_h0(None, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
             need_ht = output_final_state or cp_context.post_num_ranks > 0
+            crosses = cp_context.pre_num_ranks > 0 or cp_context.post_num_ranks > 0
         # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
-        h, ht = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
-                            chunk_size=CHUNK_SIZE, states_dtype=q.dtype, **varlen)
+        h, ht, decays = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
+                                    chunk_size=CHUNK_SIZE, states_dtype=q.dtype, output_decays=crosses, **varlen)
         record = None
         if cp_context is not None:
-            record = gla_apply_incoming_state(h, ht, gk, cp_context)
+            record = gla_apply_incoming_state(h, ht, decays, cp_context)
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
                 if output_final_state else None
         o, A = chunk_gla_fwd_o(q, k, v, gk, wide, h, scale, **varlen)
@@ -420,14 +421,15 @@ class ChunkGLAFunction(torch.autograd.Function):
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         do = do.to(q.dtype).contiguous()
         dht_global = dht
-        need_dh0 = user_h0
+        need_dh0, receives = user_h0, False
         if cp_context is not None:
             dht = gather_final_state_grad(dht, cp_context)
             need_dh0 = user_h0 or cp_context.pre_num_ranks > 0
-        dh, dh0 = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=need_dh0,
-                               chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
+            receives = cp_context.post_num_ranks > 0
+        dh, dh0, decay = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=need_dh0, chunk_offsets=chunk_offsets,
+                                      chunk_size=CHUNK_SIZE, output_decays=receives, **varlen)
         if cp_context is not None:
-            gla_apply_incoming_grad(dh, dh0, gk, record)
+            gla_apply_incoming_grad(dh, dh0, decay, record)
         dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
         dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, wide, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
         if cp_context is not None:
