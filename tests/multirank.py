@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import socket

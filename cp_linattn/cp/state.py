@@ -11,19 +11,23 @@ reverse time with transposed transitions: `dS = 0; for j in later (far to near):
 dS = M_j^T dS + dS_ext_j`, where dS_ext_j is the gradient leaving rank j's first fragment
 with no gradient arriving from beyond rank j.
 
-Where the messages come from. GLA reads them off its local passes, which start a continued
-sequence from zero and get the incoming state added afterwards. KDA's local passes cannot
-be corrected that way (the state enters v_new). So a rank that both receives and sends in
-a direction walks its fragment with its state kernel before its local pass (forward: its
-last fragment; backward: its first, in reverse), and a rank that receives nothing in a
-direction runs its local pass first and sends that pass's result, with no walk of its own.
-M is only read for a fragment that continues through its rank (the folds start from an
-origin rank's S_ext), so the others send zeros there.
+Where the messages come from. In each direction, a rank that receives nothing runs its
+local pass first and sends that pass's result, with no pass of its own; a rank that sends
+nothing receives first and starts its local pass from what it received. A rank that does
+both (a middle rank) needs its message before what it receives is known: KDA walks the
+fragment with its state kernel before its local pass (forward: its last fragment; backward:
+its first, in reverse); GLA runs its local pass from zero, sends that pass's result, and
+adds the received state to the stored states afterwards (the recurrence is linear and its
+transitions diagonal; KDA's state enters v_new, which cannot be corrected that way). M is
+only read for a fragment that continues through its rank (the folds start from an origin
+rank's S_ext), so KDA sends zeros for the others.
 
 Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
 turned into `[K, V]` by the op before it gets here).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -129,8 +133,8 @@ def expand_h0(
     Row i is the user's state of global sequence `seq_ids[i]` when that sequence starts on this
     rank (`initial_state` is `[N_global, *state_shape]`, the same on every rank), and the merged
     incoming state S_in for a first sequence that started on an earlier rank (zero with S_in
-    None: the state is added later, as GLA does). None when every row would be zero (saves
-    the kernels a read).
+    None: the state is added afterwards, as GLA's middle ranks do). None when every row would
+    be zero (saves the kernels a read).
     """
     if S_in is None and initial_state is None:
         return None
@@ -194,10 +198,10 @@ def gather_final_state_grad(dht_global: torch.Tensor | None, context: FLACPConte
 
 
 # ---------------------------------------------------------------------------------------
-# The op-specific pre-processes: (S_ext, M) of the last fragment and dS_ext of the first.
-# KDA computes them with its state kernels on that fragment alone (chunks restart at every
-# sequence start, so a fragment is a standalone single-sequence batch); GLA reads them off
-# its local passes and corrects those passes afterwards.
+# The pre-processes: (S_ext, M) of the last fragment and dS_ext of the first. KDA's middle
+# ranks compute them with the state kernels on that fragment alone (chunks restart at every
+# sequence start, so a fragment is a standalone single-sequence batch); GLA's read them off
+# their local passes and correct those passes afterwards.
 
 
 def _last_fragment(context: FLACPContext) -> tuple[int, bool]:
@@ -229,72 +233,114 @@ def _with_incoming_grad(dht: torch.Tensor | None, dS_in: torch.Tensor | None, co
     return dht
 
 
-def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor | None,
-                             decays: tuple[torch.Tensor, torch.Tensor] | None,
-                             context: FLACPContext) -> BoundaryExchange:
-    """GLA forward pre-process and merge, run after the local state pass.
+def receive_final_state_grad(dht_global: torch.Tensor | None, record: BoundaryExchange,
+                             state_shape: tuple[int, int, int], v_first: bool = False,
+                             message: Callable[[int, torch.Tensor | None], torch.Tensor] | None = None,
+                             ) -> torch.Tensor | None:
+    """Backward exchange of a rank that receives a gradient (`post_num_ranks > 0`), run
+    before its local reverse pass, around the op's message: `message(end, dht_first)`, fp32
+    `[H, K, V]`, the gradient leaving the first local sequence (tokens [0, end)) with
+    dht_first (its row of dht, layout as the states, or None) arriving at its end; required
+    when an earlier rank reads it (`pre_num_ranks > 0`), else zeros go out. Returns the local
+    dht `[num_seqs, *state_shape]` with the gradient from later ranks in the last sequence's
+    row."""
+    context = record.context
+    dht = gather_final_state_grad(dht_global, context)
+    if context.pre_num_ranks:
+        end, ends_here = _first_fragment(context)
+        dS_ext = message(end, dht[0] if ends_here and dht is not None else None)
+    else:
+        H, K, V = (state_shape[0], state_shape[2], state_shape[1]) if v_first else state_shape
+        dS_ext = torch.zeros(H, K, V, dtype=torch.float32, device=context.device)
+    return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, state_shape, v_first)
 
-    The local pass (`chunk_fwd_h`) starts the first local sequence from zero when it began on
-    an earlier rank; it thereby already yields this rank's message: the last fragment's
+
+def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[torch.Tensor, torch.Tensor],
+                             context: FLACPContext) -> BoundaryExchange:
+    """GLA forward pre-process and merge of a rank that both receives and sends a state
+    (`pre_num_ranks > 0`, `post_num_ranks > 0`), run after its local state pass.
+
+    The local pass (`chunk_fwd_h`) started the first local sequence, which began on an
+    earlier rank, from zero; so it already yields this rank's message: the last fragment's
     contribution S_ext (its final state from the state it starts with here) and its diagonal
-    transition `exp(total log decay)`, from the decays the pass returns. After the exchange,
-    the state S_in entering the first sequence is added to its per-chunk states (and to its
-    final state when it ends here) in place: the recurrence is linear, so
-    `h[c] += Diag(exp decay[c]) S_in` is the rerun from S_in, at the cost of one pass over
-    those states instead of a second walk. (Adding it inside the kernels that read h, with
-    no pass of its own, measured slower: BENCHMARKS.md.)
+    transition `exp(total log decay)`. After the exchange, the state S_in entering the first
+    sequence is added to its per-chunk states (and to its final state when it ends here) in
+    place: the recurrence is linear, so `h[c] += Diag(exp decay[c]) S_in` is the rerun from
+    S_in, one pass over those states instead of a walk of the fragment before the local
+    pass. (Adding it inside the kernels that read h, with no pass of its own, measured
+    slower: BENCHMARKS.md.) Ranks that only send run their local pass first and send its
+    final state (`send_final_state`); ranks that only receive receive first and start their
+    local pass from it (`receive_state`).
 
     Args:
         h: `[1, NT, H, K, V]` per-chunk states of the local pass (updated in place).
-        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (row 0 updated in
-            place); required when the last local sequence continues on a later rank.
+        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (row 0 updated in place).
         decays: `chunk_fwd_h(output_decays=True)`'s (decay `[1, NT, H, K]`, total
-            `[num_seqs, H, K]`); required when a sequence crosses this rank's boundaries.
+            `[num_seqs, H, K]`).
     """
-    if context.post_num_ranks:
-        S_ext, M = ht[-1], decays[1][-1].exp()
-    else:
-        S_ext = h.new_zeros(h.shape[2:], dtype=torch.float32)
-        M = S_ext.new_zeros(S_ext.shape[:2])
-    S_in, record = exchange_forward(S_ext, M, context)
-    if S_in is not None:
-        decay, total = decays
-        n = -(-int(context.cu_seqlens_cpu[1]) // CHUNK_SIZE)
-        add_decayed_state(h[0, :n], decay[0, :n], S_in)
-        first_ends_here = context.num_seqs > 1 or not context.post_num_ranks
-        if ht is not None and first_ends_here:
-            ht[0] += total[0].exp()[..., None] * S_in
+    decay, total = decays
+    S_in, record = exchange_forward(ht[-1], total[-1].exp(), context)
+    n = -(-int(context.cu_seqlens_cpu[1]) // CHUNK_SIZE)
+    add_decayed_state(h[0, :n], decay[0, :n], S_in)
+    if context.num_seqs > 1:  # the first sequence ends here: its final state is read
+        ht[0] += total[0].exp()[..., None] * S_in
     return record
 
 
-def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor | None, decay: torch.Tensor | None,
+def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Tensor,
                             record: BoundaryExchange) -> None:
-    """GLA backward pre-process and merge, run after the local reverse pass (`chunk_bwd_dh`
-    with the last row of dht zero when that sequence continues later, and dh0).
+    """GLA backward pre-process and merge of a rank that both receives and sends a gradient,
+    run after its local reverse pass (`chunk_bwd_dh` with the last row of dht zero: that
+    sequence continues on a later rank).
 
     The local pass's dh0 of the first local sequence is this rank's message, the gradient
     leaving its first fragment with none arriving from beyond this rank. The gradient dS_in
     arriving at the end of the last local sequence is then added to that sequence's per-chunk
     gradients (`dh[c] += Diag(exp decay[c]) dS_in`) and, when it starts here, to its dh0, in
-    place.
+    place. The other ranks: `send_first_state_grad`, `receive_final_state_grad`.
 
     Args:
-        dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]` (required when the first
-            local sequence began on an earlier rank); decay: `chunk_bwd_dh(output_decays=True)`'s
-            `[1, NT, H, K]` (required when the last one continues on a later rank).
+        dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]`; decay:
+            `chunk_bwd_dh(output_decays=True)`'s `[1, NT, H, K]`.
     """
     context = record.context
-    dS_ext = dh0[0] if context.pre_num_ranks else dh.new_zeros(dh.shape[2:])
-    dS_in = exchange_backward(dS_ext, record)
-    if dS_in is None:
-        return
+    dS_in = exchange_backward(dh0[0], record)
     start, _ = _last_fragment(context)
     NT = dh.shape[1]
     n = -(-(int(context.cu_seqlens_cpu[-1]) - start) // CHUNK_SIZE)
     add_decayed_state(dh[0, NT - n:], decay[0, NT - n:], dS_in)
-    last_starts_here = context.num_seqs > 1 or not context.pre_num_ranks
-    if dh0 is not None and last_starts_here:
+    if context.num_seqs > 1:  # the last sequence starts here: its dh0 is read
         dh0[-1] += record.M_local[..., None] * dS_in
+
+
+def receive_state(context: FLACPContext, state_shape: tuple[int, int, int],
+                  transition_shape: tuple[int, ...]) -> tuple[torch.Tensor, BoundaryExchange]:
+    """Forward exchange of a rank that receives a state and sends none (`pre_num_ranks > 0`,
+    `post_num_ranks == 0`), run before its local pass: zeros go out (nobody reads them).
+    Returns (S_in fp32 `[H, K, V]`, record)."""
+    zeros = torch.zeros(state_shape, dtype=torch.float32, device=context.device)
+    return exchange_forward(zeros, zeros.new_zeros(transition_shape), context)
+
+
+def send_final_state(final_state: torch.Tensor, context: FLACPContext, diagonal: bool,
+                     state_v_first: bool = False) -> BoundaryExchange:
+    """Forward exchange of a rank that receives no state (`pre_num_ranks == 0`), run after its
+    local state pass: that pass started every local sequence from its own state, so the last
+    one's final state (fp32 `final_state[-1]`, layout as the states) is the message, and that
+    sequence starts here (no transition: zeros, `[H, K]` for a `diagonal` one, else
+    `[H, K, K]`). No walk of its own. Returns the record."""
+    S_ext = final_state[-1].transpose(-1, -2) if state_v_first else final_state[-1]
+    H, K = S_ext.shape[:2]
+    _, record = exchange_forward(S_ext, S_ext.new_zeros((H, K) if diagonal else (H, K, K)), context)
+    return record
+
+
+def send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_first: bool = False) -> None:
+    """Backward exchange of a rank that receives no gradient (`post_num_ranks == 0`), run
+    after its local reverse pass: with nothing arriving, that pass's gradient of the first
+    local sequence's initial state (`dh0[0]`, fp32, layout as the states) is the message
+    (read only when that sequence began on an earlier rank). No walk of its own."""
+    exchange_backward(dh0[0].transpose(-1, -2) if state_v_first else dh0[0], record)
 
 
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
@@ -309,12 +355,11 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     (`final(S) = M S + S_ext`). A last sequence that starts here needs no transition (the
     folds start from it: M is sent as zeros), so its pass runs on u alone, from the user's
     state: half the columns. Ranks that receive nothing run their local pass first and send
-    its final state instead (`kda_send_final_state`).
+    its final state instead (`send_final_state`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:
-        return exchange_forward(kg.new_zeros(HV, K, V, dtype=torch.float32),
-                                kg.new_zeros(HV, K, K, dtype=torch.float32), context)
+        return receive_state(context, (HV, K, V), (HV, K, K))
     start, starts_here = _last_fragment(context)
     fragment = (kg[:, start:], w[:, start:])
     if starts_here:
@@ -331,17 +376,6 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     return exchange_forward(ht[0, :, :, :V], ht[0, :, :, V:], context)
 
 
-def kda_send_final_state(final_state: torch.Tensor, context: FLACPContext, state_v_first: bool) -> BoundaryExchange:
-    """KDA forward exchange of a rank that receives no state (`pre_num_ranks == 0`), run after
-    its local state pass: that pass started every local sequence from its own state, so the
-    last one's final state (fp32 `final_state[-1]`, layout as the states) is the message, and
-    that sequence starts here (no transition: zeros). No walk of its own. Returns the record."""
-    S_ext = final_state[-1].transpose(-1, -2) if state_v_first else final_state[-1]
-    HV, K = S_ext.shape[:2]
-    _, record = exchange_forward(S_ext, S_ext.new_zeros(HV, K, K), context)
-    return record
-
-
 def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record: BoundaryExchange,
                          state_v_first: bool):
     """KDA backward (dhu) pre-process and merge of a rank that receives a gradient
@@ -350,28 +384,15 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
     intra-chunk gradient of v_new (`Aqk^T do`) of the local tokens. The message, when an
     earlier rank reads it, is a dhu pass over the first fragment from a zero gradient. Ranks
     that receive nothing run their local pass first and send its dh0
-    (`kda_send_first_state_grad`)."""
-    context = record.context
-    dht = gather_final_state_grad(dht_global, context)
-    HV, K, V = kg.shape[2], kg.shape[3], do.shape[3]
-    if context.pre_num_ranks:
-        end, ends_here = _first_fragment(context)
-        dht_first = None
-        if ends_here and dht is not None:
-            dht_first = dht[:1].transpose(-1, -2).contiguous() if state_v_first else dht[:1]
+    (`send_first_state_grad`)."""
+    def message(end: int, dht_first: torch.Tensor | None) -> torch.Tensor:
+        if dht_first is not None:
+            dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
                                                 dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE,
                                                 store_chunk_grads=False)
-        dS_ext = dS_ext[0]
-    else:
-        dS_ext = kg.new_zeros(HV, K, V, dtype=torch.float32)
-    shape = (HV, V, K) if state_v_first else (HV, K, V)
-    return _with_incoming_grad(dht, exchange_backward(dS_ext, record), context, shape, state_v_first)
+        return dS_ext[0]
 
-
-def kda_send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_first: bool) -> None:
-    """KDA backward exchange of a rank that receives no gradient (`post_num_ranks == 0`), run
-    after its local reverse pass: with nothing arriving, that pass's gradient of the first
-    local sequence's initial state (`dh0[0]`, fp32, layout as the states) is the message
-    (read only when that sequence began on an earlier rank). No walk of its own."""
-    exchange_backward(dh0[0].transpose(-1, -2) if state_v_first else dh0[0], record)
+    HV, K, V = kg.shape[2], kg.shape[3], do.shape[3]
+    return receive_final_state_grad(dht_global, record, (HV, V, K) if state_v_first else (HV, K, V), state_v_first,
+                                     message)

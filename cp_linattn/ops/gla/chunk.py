@@ -37,7 +37,8 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch, new_wide_bits, span_limit
 from cp_linattn.cp.context import FLACPContext, check_cp_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
-                                 gla_apply_incoming_state, scatter_final_state)
+                                 gla_apply_incoming_state, receive_final_state_grad, receive_state,
+                                 scatter_final_state, send_final_state, send_first_state_grad)
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
 from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, prepare_varlen_chunks
 
@@ -379,9 +380,10 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     The states enter through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`. Under
     context parallelism (`cp_context`) the state handed over by the earlier ranks (and the
-    gradient by the later ones) is added to the local passes' results once exchanged
-    (cp/state.py), and `initial_state` / the final state are indexed by the GLOBAL
-    sequences of the packed batch.
+    gradient by the later ones) enters the local passes the same way on a rank where the
+    sequence ends (begins), and is added to a middle rank's stored states after its pass
+    (cp/state.py); `initial_state` / the final state are indexed by the GLOBAL sequences of
+    the packed batch.
     """
 
     @staticmethod
@@ -391,19 +393,26 @@ class ChunkGLAFunction(torch.autograd.Function):
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk, wide = gla_gate_cumsum(g, q.dtype, **varlen)
-        h0, need_ht, crosses = initial_state, output_final_state, False
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        h0, record, S_in, need_ht, middle = initial_state, None, None, output_final_state, False
         if cp_context is not None:
-            # A sequence continued from an earlier rank starts from zero here; its incoming
-            # state is added to the states after the exchange (gla_apply_incoming_state).
-            h0 = expand_h0(None, initial_state, cp_context, (q.shape[2], q.shape[3], v.shape[3]))
-            need_ht = output_final_state or cp_context.post_num_ranks > 0
-            crosses = cp_context.pre_num_ranks > 0 or cp_context.post_num_ranks > 0
+            # Ranks at the ends of a sequence pay nothing extra: one that receives no state sends
+            # its local pass's final state, one that sends none receives before its pass; a middle
+            # rank adds the received state to its pass's states afterwards (cp/state.py).
+            receives, sends = cp_context.pre_num_ranks > 0, cp_context.post_num_ranks > 0
+            middle = receives and sends
+            if receives and not sends:
+                S_in, record = receive_state(cp_context, (H, K, V), (H, K))
+            h0 = expand_h0(S_in, initial_state, cp_context, (H, K, V))
+            need_ht = output_final_state or sends or not receives
         # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
         h, ht, decays = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
-                                    chunk_size=CHUNK_SIZE, states_dtype=q.dtype, output_decays=crosses, **varlen)
-        record = None
-        if cp_context is not None:
+                                    chunk_size=CHUNK_SIZE, states_dtype=q.dtype, output_decays=middle, **varlen)
+        if middle:
             record = gla_apply_incoming_state(h, ht, decays, cp_context)
+        elif cp_context is not None and not cp_context.pre_num_ranks:
+            record = send_final_state(ht, cp_context, True)
+        if cp_context is not None:
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
                 if output_final_state else None
         o, A = chunk_gla_fwd_o(q, k, v, gk, wide, h, scale, **varlen)
@@ -420,16 +429,23 @@ class ChunkGLAFunction(torch.autograd.Function):
         scale = ctx.scale
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         do = do.to(q.dtype).contiguous()
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
         dht_global = dht
-        need_dh0, receives = user_h0, False
+        need_dh0, middle, sends_after_pass = user_h0, False, False
         if cp_context is not None:
-            dht = gather_final_state_grad(dht, cp_context)
-            need_dh0 = user_h0 or cp_context.pre_num_ranks > 0
-            receives = cp_context.post_num_ranks > 0
+            receives, sends = cp_context.post_num_ranks > 0, cp_context.pre_num_ranks > 0
+            middle, sends_after_pass = receives and sends, not receives
+            if receives and not sends:
+                dht = receive_final_state_grad(dht, record, (H, K, V))
+            else:
+                dht = gather_final_state_grad(dht, cp_context)
+            need_dh0 = user_h0 or sends or sends_after_pass
         dh, dh0, decay = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=need_dh0, chunk_offsets=chunk_offsets,
-                                      chunk_size=CHUNK_SIZE, output_decays=receives, **varlen)
-        if cp_context is not None:
+                                      chunk_size=CHUNK_SIZE, output_decays=middle, **varlen)
+        if middle:
             gla_apply_incoming_grad(dh, dh0, decay, record)
+        elif sends_after_pass:
+            send_first_state_grad(dh0, record)
         dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
         dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, wide, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
         if cp_context is not None:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.cp.state import (BoundaryExchange, gather_final_state_grad, kda_final_state_grad,
-                                 kda_send_first_state_grad)
+                                 send_first_state_grad)
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -413,7 +413,7 @@ def chunk_kda_bwd(
         chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     if sends_after_pass:
-        kda_send_first_state_grad(dh0, cp_record, state_v_first)
+        send_first_state_grad(dh0, cp_record, state_v_first)
     dqk_dtype = dqk_dtype or q.dtype
     dq_part = q.new_empty(B, T, HV, K, dtype=torch.float32)
     dk_part = torch.empty_like(dq_part)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.cp.context import FLACPContext
-from cp_linattn.cp.state import expand_h0, kda_incoming_state, kda_send_final_state, scatter_final_state
+from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_state, send_final_state
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
@@ -240,7 +240,7 @@ def chunk_kda_fwd(
         cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     if sends_after_pass:
-        record = kda_send_final_state(final_state, cp_context, state_v_first)
+        record = send_final_state(final_state, cp_context, False, state_v_first)
     o = kda_output(saved["qg"], v_new, h, saved["Aqk"], scale, cu_seqlens, chunk_indices, out_dtype=v.dtype)
     if cp_context is not None:
         final_state = scatter_final_state(final_state, cp_context, cp_context.global_num_seqs, initial_state) \
