@@ -7,6 +7,9 @@ global initial-state gradient and of the final states sum to the single-rank ten
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
+from unittest import mock
+
 import pytest
 import torch
 
@@ -169,6 +172,38 @@ def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]
         # a sequence ending exactly on a rank edge, and pieces shorter than a chunk
         dict(base, cu=[0, 70, 73, 160], seed=3, split={2: [70, 90], 3: [70, 5, 85], 4: [70, 2, 40, 48]}[world_size]),
     ]
+
+
+# The passes a CP rank may add to its local kernels (cp/state.py's names): GLA's correction of
+# a middle rank's stored states, KDA's walks of a middle rank's fragment.
+PRE_PROCESS_PASSES = {"gla": ("add_decayed_state",), "kda": ("chunk_delta_rule_fwd_h", "chunk_delta_rule_bwd_dhu")}
+
+
+def _count_pre_process_passes(rank: int, world_size: int, op: str, case: dict) -> int:
+    from cp_linattn.cp import state
+
+    calls = []
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with ExitStack() as stack:
+        for name in PRE_PROCESS_PASSES[op]:
+            stack.enter_context(mock.patch.object(state, name, counted(getattr(state, name))))
+        _cp_worker(rank, world_size, op, [case])
+    return len(calls)
+
+
+@pytest.mark.parametrize("op", ["gla", "kda"])
+def test_only_middle_ranks_pay_a_pre_process_pass(op):
+    """A rank where the sequence starts sends its local pass's result, one where it ends
+    starts its local pass from what it received (in each direction): neither adds a pass of
+    its own. One sequence over three ranks: only the middle rank pays, once each way."""
+    case = dict(H=1, K=32, V=32, comm="all_gather", options={}, cu=[0, 200], seed=4)
+    assert run_ranks(_count_pre_process_passes, 3, op, case, timeout=600) == [0, 2, 0]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

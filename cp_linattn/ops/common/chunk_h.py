@@ -302,7 +302,6 @@ def chunk_bwd_dh(
     return dh, dh0, decay
 
 
-
 @triton.jit
 def add_decayed_state_kernel(
     x, decay, S,
