@@ -367,12 +367,10 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
                                           _user_state_of_last(initial_state, context, state_v_first), True,
                                           chunk_size=CHUNK_SIZE, store_chunk_states=False)
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
-    L = kg.shape[1] - start
-    eye = torch.eye(K, device=kg.device, dtype=torch.float32).expand(1, HV, K, K)
-    u_aug = torch.cat([u[:, start:], u.new_zeros(1, L, HV, K)], -1)
-    h0 = torch.cat([kg.new_zeros(1, HV, K, V, dtype=torch.float32), eye], -1).contiguous()
-    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u_aug, gk[:, start:], h0, True, chunk_size=CHUNK_SIZE,
-                                      store_chunk_states=False)
+    h0 = kg.new_zeros(1, HV, K, V + K, dtype=torch.float32)
+    h0[..., V:] = torch.eye(K, device=kg.device)
+    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:], h0, True, chunk_size=CHUNK_SIZE,
+                                      store_chunk_states=False, state_columns=V + K)
     return exchange_forward(ht[0, :, :, :V], ht[0, :, :, V:], context)
 
 

@@ -72,9 +72,10 @@ def delta_rule_fwd_h_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, U_COLS: tl.constexpr,
 ):
-    """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV)."""
+    """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV). The state
+    has V columns, u the first U_COLS of them (the others take zero input)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos, seq_len, first_chunk = sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
@@ -102,7 +103,8 @@ def delta_rule_fwd_h_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-        b_u = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
+        b_u = tl.load(u + rows[:, None] * U_COLS + o_v[None, :], mask=m_tv & (o_v < U_COLS)[None, :],
+                      other=0).to(tl.float32)
         b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
         if STORE_CHUNKS:
             tl.store(v_new + rows[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
@@ -206,6 +208,7 @@ def chunk_delta_rule_fwd_h(
     chunk_size: int = 64,
     state_v_first: bool = False,
     store_chunk_states: bool = True,
+    state_columns: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
@@ -219,15 +222,21 @@ def chunk_delta_rule_fwd_h(
             of cu_seqlens, to skip host work.
         store_chunk_states: False when only the final states are wanted (the CP pre-process):
             h and v_new are then neither allocated nor written, and None is returned for them.
+        state_columns: the state's columns V (default: u's); u then feeds the first u's-width
+            of them and the others take zero input: the CP pre-process walks `[u, 0]` from
+            `[0, I]`, a fragment's state and its transition at once, without building `[u, 0]`.
 
-    Returns:
+    Returns (V: `state_columns`):
         h: fp32 `[B, NT, HV, K, V]` (always K-first), h[:, c] the state entering chunk c (NT:
             chunks per row, or all chunks of the packed batch), or None;
-        v_new: `[B, T, HV, V]` in u's dtype, `u - w h`, or None;
+        v_new: `[B, T, HV, V]` in u's dtype, `[u, 0] - w h`, or None;
         final_state: fp32 `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) or None.
     """
     B, T, HV, K = kg.shape
-    V = u.shape[-1]
+    U = u.shape[-1]
+    V = U if state_columns is None else state_columns
+    if V < U:
+        raise ValueError(f"state_columns must be at least u's last dimension {U}, got {state_columns}")
     check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
     check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
     check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
@@ -238,7 +247,7 @@ def chunk_delta_rule_fwd_h(
         initial_state = initial_state.contiguous()
     kg, w, u, gk = kg.contiguous(), w.to(kg.dtype).contiguous(), u.contiguous(), gk.contiguous()
     h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_states else None
-    v_new = torch.empty_like(u) if store_chunk_states else None
+    v_new = u.new_empty(B, T, HV, V) if store_chunk_states else None
     final_state = None
     if output_final_state:
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
@@ -249,7 +258,7 @@ def chunk_delta_rule_fwd_h(
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
             STATE_V_FIRST=state_v_first,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype), U_COLS=U,
             **launch_options("delta_rule_fwd_h"),
         )
     return h, v_new, final_state
