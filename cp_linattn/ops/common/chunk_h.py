@@ -342,3 +342,53 @@ def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> 
         add_decayed_state_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), n * H)](
             x, decay.contiguous(), S.contiguous(), H=H, K=K, V=V, BK=BK, BV=BV,
             **launch_options("add_decayed_state"))
+
+
+@triton.jit
+def diagonal_fold_kernel(
+    states, transitions, out, first, step, n, stride_state, stride_transition,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """out = the fold `S = Diag(M_j) S + S_j` from S = 0 over j = first, first + step, ...
+    (n terms) for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), H)."""
+    i_v, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    state_offs = (i_h * K + o_k[:, None]) * V + o_v[None, :]
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(n):
+        j = (first + i * step).to(tl.int64)
+        b_m = tl.load(transitions + j * stride_transition + i_h * K + o_k, mask=m_k, other=0)
+        b_s = b_m[:, None] * b_s + tl.load(states + j * stride_state + state_offs, mask=m_kv, other=0)
+    tl.store(out + state_offs, b_s, mask=m_kv)
+
+
+def diagonal_fold(states: torch.Tensor, transitions: torch.Tensor, order: range) -> torch.Tensor:
+    """`S = 0; for j in order: S = Diag(M_j) S + S_j` in one launch: the merge of the boundary
+    states of context-parallel ranks whose transitions are diagonal (GLA), instead of two
+    launches per rank.
+
+    Args:
+        states: fp32 `[D, H, K, V]`; transitions: fp32 `[D, H, K]` (rows may be strided, as
+            the rows of an all-gathered table; each row contiguous).
+        order: the rows to fold, in order (a `range`, ascending or descending, within [0, D)).
+
+    Returns: fp32 `[H, K, V]`.
+    """
+    check_tensor("states", states, ndim=4, dtypes=(torch.float32,))
+    D, H, K, V = states.shape
+    check_tensor("transitions", transitions, shape=(D, H, K), device=states.device, dtypes=(torch.float32,))
+    if len(order) and not (0 <= min(order) and max(order) < D):
+        raise ValueError(f"order must index the {D} rows of states, got {order}")
+    if states.stride()[1:] != (K * V, V, 1):
+        states = states.contiguous()
+    if transitions.stride()[1:] != (K, 1):
+        transitions = transitions.contiguous()
+    out = states.new_empty(H, K, V)
+    BK, BV = tiles("diagonal_fold", K, V)
+    diagonal_fold_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), H)](
+        states, transitions, out, order.start, order.step, len(order), states.stride(0), transitions.stride(0),
+        H=H, K=K, V=V, BK=BK, BV=BV, **launch_options("diagonal_fold"))
+    return out
