@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_linattn.ops.common.chunk_h import add_decayed_state, chunk_bwd_dh, chunk_fwd_h, diagonal_fold
+from cp_linattn.ops.common.chunk_h import add_decayed_state, chunk_bwd_dh, chunk_fwd_h, fold_states
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.gla.chunk import chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
@@ -231,23 +231,29 @@ def test_late_state_addition_equals_rerun(states_dtype):
         chunk_fwd_h(k, v, gk, states_dtype=torch.int32)
 
 
+@pytest.mark.parametrize("diagonal", [True, False])
 @pytest.mark.parametrize("order", [range(1, 4), range(4, 0, -1), range(2, 3)])
-def test_diagonal_fold_in_one_launch(order):
-    """The CP merge of diagonal transitions (`diagonal_fold`): the loop `S = M_j S + S_j` over
-    rows of an all-gathered table (strided rows, as `exchange_forward` views them), forwards
-    and backwards, against the loop in torch."""
+def test_fold_states_in_one_launch(order, diagonal):
+    """The CP merge (`fold_states`): the loop `S = M_j S + S_j` (`M_j^T` backwards) over rows
+    of an all-gathered table (strided rows, as `exchange_forward` views them), diagonal (GLA)
+    and full (KDA) transitions, forwards and backwards, against the loop in torch."""
     D, H, K, V = 5, 2, 40, 24
-    table = torch.randn(D, H * K * V + H * K + 7)
+    M_size = H * K if diagonal else H * K * K
+    table = torch.randn(D, H * K * V + M_size + 7)
     states = table[:, :H * K * V].view(D, H, K, V)
-    transitions = table[:, H * K * V:H * K * V + H * K].view(D, H, K).sigmoid()
+    transitions = table[:, H * K * V:H * K * V + M_size].view(D, H, K, *(() if diagonal else (K,)))
+    transitions = transitions.sigmoid() if diagonal else transitions * K ** -0.5
+    transpose = order.step < 0
     ref = torch.zeros(H, K, V)
     for j in order:
-        ref = transitions[j][..., None] * ref + states[j]
-    assert torch.allclose(diagonal_fold(states, transitions, order), ref, rtol=1e-6, atol=1e-6)
+        M = transitions[j]
+        ref = M[..., None] * ref + states[j] if diagonal else (M.transpose(-1, -2) if transpose else M) @ ref + states[j]
+    got = fold_states(states, transitions, order, transpose)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"^order must index the 5 rows"):
-        diagonal_fold(states, transitions, range(3, 6))
+        fold_states(states, transitions, range(3, 6))
     with pytest.raises(ValueError, match=r"^transitions must have shape"):
-        diagonal_fold(states, transitions[:, :, :4], order)
+        fold_states(states, transitions[:, :, :4], order)
 
 
 def _args(**over):

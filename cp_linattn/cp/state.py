@@ -34,7 +34,7 @@ import torch
 from cp_linattn.cp.comm import all_gather_tensor, send_recv_chain
 from cp_linattn.cp.context import FLACPContext, empty_seq_ids
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h
-from cp_linattn.ops.common.chunk_h import add_decayed_state, diagonal_fold
+from cp_linattn.ops.common.chunk_h import add_decayed_state, fold_states
 
 CHUNK_SIZE = 64
 
@@ -44,17 +44,6 @@ def apply_transition(M: torch.Tensor, S: torch.Tensor, transpose: bool = False) 
     if M.dim() == S.dim() - 1:
         return M[..., None] * S
     return (M.transpose(-1, -2) if transpose else M) @ S
-
-
-def _fold(states: torch.Tensor, transitions: torch.Tensor, order: range, transpose: bool) -> torch.Tensor:
-    """`S = 0; for j in order: S = M_j S + S_ext_j` over the rows of states `[D, H, K, V]` and
-    transitions `[D, H, K]` (one launch) or `[D, H, K, K]` (`M_j^T` with `transpose`)."""
-    if transitions.dim() == states.dim() - 1:
-        return diagonal_fold(states, transitions, order)
-    S = torch.zeros_like(states[0])
-    for j in order:
-        S = apply_transition(transitions[j], S, transpose) + states[j]
-    return S
 
 
 class BoundaryExchange:
@@ -86,7 +75,7 @@ def exchange_forward(
         states = packed[:, : S_ext.numel()].view(-1, *S_ext.shape)
         transitions = packed[:, S_ext.numel():].view(-1, *M.shape)
         r, pre = context.rank, context.pre_num_ranks
-        S_in = _fold(states, transitions, range(r - pre, r), False) if pre else None
+        S_in = fold_states(states, transitions, range(r - pre, r)) if pre else None
         return S_in, BoundaryExchange(context, M, transitions)
 
     def outgoing(S_in: torch.Tensor | None) -> torch.Tensor:
@@ -111,7 +100,7 @@ def exchange_backward(dS_ext: torch.Tensor, record: BoundaryExchange) -> torch.T
         r, post = context.rank, context.post_num_ranks
         if not post:
             return None
-        return _fold(grads, record.M_all, range(r + post, r, -1), True)  # far to near
+        return fold_states(grads, record.M_all, range(r + post, r, -1), transpose=True)  # far to near
 
     def outgoing(dS_in: torch.Tensor | None) -> torch.Tensor:
         continues_through = context.num_seqs == 1 and dS_in is not None

@@ -18,7 +18,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
     # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP.
     "add_decayed_state": dict(BK=64, BV=64, num_warps=4, num_stages=1),
-    "diagonal_fold": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot).
+    "fold_states": dict(BV=16, num_warps=8, num_stages=1),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
     "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
     # The kernels launched twice (dot and exact diagonal blocks, cp_linattn/ops/common/intra.py)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import launch_options, tiles
+from cp_linattn.ops.launch import launch_options, tile, tiles
 from cp_linattn.ops.utils import check_option, check_tensor, prepare_chunk_offsets
 
 
@@ -345,50 +345,66 @@ def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> 
 
 
 @triton.jit
-def diagonal_fold_kernel(
+def fold_states_kernel(
     states, transitions, out, first, step, n, stride_state, stride_transition,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DIAGONAL: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
-    """out = the fold `S = Diag(M_j) S + S_j` from S = 0 over j = first, first + step, ...
-    (n terms) for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), H)."""
-    i_v, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_k = i_k * BK + tl.arange(0, BK)
+    """out = the fold `S = M_j S + S_j` from S = 0 over j = first, first + step, ... (n terms)
+    for one [K, BV] column tile (BK: K padded to a power of two); M_j diagonal `[H, K]` if
+    DIAGONAL, else `[H, K, K]` (M_j^T if TRANSPOSE). Grid (cdiv(V, BV), H)."""
+    i_v, i_h = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_kv = m_k[:, None] & (o_v < V)[None, :]
     state_offs = (i_h * K + o_k[:, None]) * V + o_v[None, :]
+    if TRANSPOSE:
+        m_offs = (i_h * K + o_k[None, :]) * K + o_k[:, None]
+    else:
+        m_offs = (i_h * K + o_k[:, None]) * K + o_k[None, :]
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(n):
         j = (first + i * step).to(tl.int64)
-        b_m = tl.load(transitions + j * stride_transition + i_h * K + o_k, mask=m_k, other=0)
-        b_s = b_m[:, None] * b_s + tl.load(states + j * stride_state + state_offs, mask=m_kv, other=0)
+        b_x = tl.load(states + j * stride_state + state_offs, mask=m_kv, other=0)
+        if DIAGONAL:
+            b_m = tl.load(transitions + j * stride_transition + i_h * K + o_k, mask=m_k, other=0)
+            b_s = b_m[:, None] * b_s + b_x
+        else:
+            b_m = tl.load(transitions + j * stride_transition + m_offs, mask=m_k[:, None] & m_k[None, :], other=0)
+            # Three tf32 passes: fp32-accurate, as the states exchanged between ranks stay fp32.
+            b_s = tl.dot(b_m, b_s, input_precision="tf32x3") + b_x
     tl.store(out + state_offs, b_s, mask=m_kv)
 
 
-def diagonal_fold(states: torch.Tensor, transitions: torch.Tensor, order: range) -> torch.Tensor:
-    """`S = 0; for j in order: S = Diag(M_j) S + S_j` in one launch: the merge of the boundary
-    states of context-parallel ranks whose transitions are diagonal (GLA), instead of two
-    launches per rank.
+def fold_states(states: torch.Tensor, transitions: torch.Tensor, order: range, transpose: bool = False
+                ) -> torch.Tensor:
+    """`S = 0; for j in order: S = M_j S + S_j` in one launch: the merge of the boundary states
+    of context-parallel ranks, instead of two launches per rank.
 
     Args:
-        states: fp32 `[D, H, K, V]`; transitions: fp32 `[D, H, K]` (rows may be strided, as
-            the rows of an all-gathered table; each row contiguous).
+        states: fp32 `[D, H, K, V]`; transitions: fp32 `[D, H, K]` (diagonal, GLA) or
+            `[D, H, K, K]` (KDA; `M_j^T` with `transpose`). Rows may be strided, as the rows
+            of an all-gathered table; each row contiguous.
         order: the rows to fold, in order (a `range`, ascending or descending, within [0, D)).
 
     Returns: fp32 `[H, K, V]`.
     """
     check_tensor("states", states, ndim=4, dtypes=(torch.float32,))
     D, H, K, V = states.shape
-    check_tensor("transitions", transitions, shape=(D, H, K), device=states.device, dtypes=(torch.float32,))
+    diagonal = transitions.dim() == 3
+    check_tensor("transitions", transitions, shape=(D, H, K) if diagonal else (D, H, K, K), device=states.device,
+                 dtypes=(torch.float32,))
     if len(order) and not (0 <= min(order) and max(order) < D):
         raise ValueError(f"order must index the {D} rows of states, got {order}")
     if states.stride()[1:] != (K * V, V, 1):
         states = states.contiguous()
-    if transitions.stride()[1:] != (K, 1):
+    if transitions.stride()[1:] != ((K, 1) if diagonal else (K * K, K, 1)):
         transitions = transitions.contiguous()
     out = states.new_empty(H, K, V)
-    BK, BV = tiles("diagonal_fold", K, V)
-    diagonal_fold_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), H)](
+    BV = tile("fold_states", "BV", V)
+    fold_states_kernel[(triton.cdiv(V, BV), H)](
         states, transitions, out, order.start, order.step, len(order), states.stride(0), transitions.stride(0),
-        H=H, K=K, V=V, BK=BK, BV=BV, **launch_options("diagonal_fold"))
+        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, DIAGONAL=diagonal, TRANSPOSE=transpose,
+        **launch_options("fold_states"))
     return out
