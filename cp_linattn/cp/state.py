@@ -298,12 +298,19 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Te
 
 
 def receive_state(context: FLACPContext, state_shape: tuple[int, int, int],
-                  transition_shape: tuple[int, ...]) -> tuple[torch.Tensor, BoundaryExchange]:
+                  diagonal: bool) -> tuple[torch.Tensor, BoundaryExchange]:
     """Forward exchange of a rank that receives a state and sends none (`pre_num_ranks > 0`,
-    `post_num_ranks == 0`), run before its local pass: zeros go out (nobody reads them).
-    Returns (S_in fp32 `[H, K, V]`, record)."""
+    `post_num_ranks == 0`), run before its local pass: zeros go out (nobody reads them), with
+    the transition's shape of the op (`[H, K]` for a `diagonal` one, else `[H, K, K]`).
+    state_shape: `(H, K, V)`. Returns (S_in fp32 `[H, K, V]`, record)."""
     zeros = torch.zeros(state_shape, dtype=torch.float32, device=context.device)
-    return exchange_forward(zeros, zeros.new_zeros(transition_shape), context)
+    return exchange_forward(zeros, _zero_transition(zeros, diagonal), context)
+
+
+def _zero_transition(S: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    """The transition a rank sends whose fragment starts a sequence (nothing crosses it)."""
+    H, K = S.shape[:2]
+    return S.new_zeros((H, K) if diagonal else (H, K, K))
 
 
 def send_final_state(final_state: torch.Tensor, context: FLACPContext, diagonal: bool,
@@ -314,8 +321,7 @@ def send_final_state(final_state: torch.Tensor, context: FLACPContext, diagonal:
     sequence starts here (no transition: zeros, `[H, K]` for a `diagonal` one, else
     `[H, K, K]`). No walk of its own. Returns the record."""
     S_ext = final_state[-1].transpose(-1, -2) if state_v_first else final_state[-1]
-    H, K = S_ext.shape[:2]
-    _, record = exchange_forward(S_ext, S_ext.new_zeros((H, K) if diagonal else (H, K, K)), context)
+    _, record = exchange_forward(S_ext, _zero_transition(S_ext, diagonal), context)
     return record
 
 
@@ -343,7 +349,7 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:
-        return receive_state(context, (HV, K, V), (HV, K, K))
+        return receive_state(context, (HV, K, V), diagonal=False)
     start, starts_here = _last_fragment(context)
     fragment = (kg[:, start:], w[:, start:])
     if starts_here:

@@ -402,7 +402,7 @@ class ChunkGLAFunction(torch.autograd.Function):
             receives, sends = cp_context.pre_num_ranks > 0, cp_context.post_num_ranks > 0
             middle = receives and sends
             if receives and not sends:
-                S_in, record = receive_state(cp_context, (H, K, V), (H, K))
+                S_in, record = receive_state(cp_context, (H, K, V), diagonal=True)
             h0 = expand_h0(S_in, initial_state, cp_context, (H, K, V))
             need_ht = output_final_state or sends or not receives
         # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
@@ -411,7 +411,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         if middle:
             record = gla_apply_incoming_state(h, ht, decays, cp_context)
         elif cp_context is not None and not cp_context.pre_num_ranks:
-            record = send_final_state(ht, cp_context, True)
+            record = send_final_state(ht, cp_context, diagonal=True)
         if cp_context is not None:
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
                 if output_final_state else None

@@ -240,7 +240,7 @@ def chunk_kda_fwd(
         cu_seqlens, chunk_indices, chunk_offsets, CHUNK_SIZE, state_v_first,
     )
     if sends_after_pass:
-        record = send_final_state(final_state, cp_context, False, state_v_first)
+        record = send_final_state(final_state, cp_context, diagonal=False, state_v_first=state_v_first)
     o = kda_output(saved["qg"], v_new, h, saved["Aqk"], scale, cu_seqlens, chunk_indices, out_dtype=v.dtype)
     if cp_context is not None:
         final_state = scatter_final_state(final_state, cp_context, cp_context.global_num_seqs, initial_state) \
