@@ -231,6 +231,25 @@ def test_late_state_addition_equals_rerun(states_dtype):
         chunk_fwd_h(k, v, gk, states_dtype=torch.int32)
 
 
+def test_add_decayed_state_skips_only_channels_decayed_to_zero():
+    """The correction leaves a channel bit-for-bit untouched exactly where its factor
+    exp(decay) is 0 in fp32 (it would add zeros there) and still adds tiny nonzero factors:
+    exp(-80) = 1.8e-35 times a state of 1e33 is 1.8e-2."""
+    n, H, K, V = 3, 2, 24, 40
+    x0 = torch.randn(n, H, K, V)
+    decay = torch.full((n, H, K), -1.0)
+    decay[:, :, ::3] = float("-inf")
+    decay[:, :, 1::3] = -80.0
+    S = torch.full((H, K, V), 1e33)
+    x = x0.clone()
+    add_decayed_state(x, decay, S)
+    assert torch.equal(x[:, :, ::3], x0[:, :, ::3])
+    added = (decay.double().exp()[..., None] * S.double()).float()
+    for rows in (slice(1, None, 3), slice(2, None, 3)):  # tiny and ordinary factors, each to scale
+        assert max_rel_err((x - x0)[:, :, rows], added[:, :, rows]) <= 1e-4
+    assert float(added[:, :, 1::3].min()) > 1e-2
+
+
 @pytest.mark.parametrize("diagonal", [True, False])
 @pytest.mark.parametrize("order", [range(1, 4), range(4, 0, -1), range(2, 3)])
 def test_fold_states_in_one_launch(order, diagonal):

@@ -307,18 +307,20 @@ def add_decayed_state_kernel(
     x, decay, S,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), n * H)."""
+    """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), n * H).
+
+    Rows whose factor exp(decay) is exactly 0 (a channel the state no longer reaches) would add
+    exact zeros: they are neither read nor written, so the pass moves only the live rows."""
     i_v, i_k, i_ch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_ch % H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    b_factor = tl.exp(tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=o_k < K, other=float("-inf")))
+    m_kv = (b_factor > 0)[:, None] & (o_v < V)[None, :]
     state_offs = o_k[:, None] * V + o_v[None, :]
-    b_decay = tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=m_k, other=0)
     b_s = tl.load(S + i_h * K * V + state_offs, mask=m_kv, other=0)
     p_x = x + i_ch.to(tl.int64) * K * V + state_offs
-    b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + tl.exp(b_decay)[:, None] * b_s
+    b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + b_factor[:, None] * b_s
     tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
 
 
