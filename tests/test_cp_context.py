@@ -171,6 +171,7 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "decreasing": _expect_error(lambda: build_cp_context(torch.tensor([0, 5, 3, 10]))),
         "group": _expect_error(lambda: build_cp_context(cu, group="world"), TypeError),
         "cu_cpu": _expect_error(lambda: build_cp_context(cu, cu_seqlens_cpu=cu[:2])),
+        "cu_cpu_values": _expect_error(lambda: build_cp_context(cu, cu_seqlens_cpu=torch.tensor([0, 4, 10]))),
     }
     # arguments that differ between ranks, valid or not, must fail everywhere, not hang
     mismatched = {
@@ -185,10 +186,10 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     assert ctx.comm == "send_recv" and ctx.split == (4, 3, 3)
     ctx.check_group(None)
     ctx.check_group(dist.group.WORLD)
-    # FLA's positional order (cu_seqlens, group, conv1d_kernel_size, cu_seqlens_cpu); the host copy is what is read
-    fla_style = build_cp_context(cu, dist.group.WORLD, 4, torch.tensor([0, 4, 10]))
-    assert fla_style.global_cu_seqlens_cpu.tolist() == [0, 4, 10] and fla_style.conv1d_kernel_size == 4
-    assert fla_style.pre_num_conv_tokens == [0, 0, 3][rank]
+    # FLA's positional order (cu_seqlens, group, conv1d_kernel_size, cu_seqlens_cpu)
+    fla_style = build_cp_context(cu, dist.group.WORLD, 4, torch.tensor([0, 3, 10]))
+    assert fla_style.global_cu_seqlens_cpu.tolist() == [0, 3, 10] and fla_style.conv1d_kernel_size == 4
+    assert fla_style.pre_num_conv_tokens == [0, 1, 3][rank]
     other = dist.new_group(ranks=list(range(world_size)))
     local = shard(torch.zeros(1, 10, 2), ctx)
     checks = {
@@ -216,6 +217,7 @@ def test_bad_or_mismatched_arguments_raise_on_every_rank_without_hanging():
     assert "ValueError: cu_seqlens must be non-decreasing" in m["decreasing"]
     assert "TypeError: group must be a torch.distributed ProcessGroup or None, got str" in m["group"]
     assert "ValueError: cu_seqlens_cpu must be a CPU copy of cu_seqlens ([3] torch.int64), got [2] torch.int64 on cpu" in m["cu_cpu"]
+    assert "ValueError: cu_seqlens_cpu must hold the values of cu_seqlens [0, 3, 10], got [0, 4, 10]" in m["cu_cpu_values"]
     assert "ValueError: group does not match cp_context" in m["check_group"]
     assert "q.shape[1] must be 3 (the tokens [4, 7)" in m["check_local_global"] and "got 10" in m["check_local_global"]
     assert "q must have batch size 1" in m["check_local_batch"]

@@ -84,6 +84,14 @@ def test_cu_seqlens_cpu_gives_the_same_result(count_readbacks):
     assert torch.equal(o, ref) and len(count_readbacks) == n
 
 
+def test_cu_seqlens_cpu_is_checked_against_offsets_on_the_cpu():
+    """On the CPU the check is free, so a wrong copy fails even before any read-back."""
+    q, k, v, g = _gla_inputs(100)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu must hold the values of cu_seqlens \[0, 30, 100\], "
+                                         r"got \[0, 40, 100\]"):
+        chunk_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 30, 100]), cu_seqlens_cpu=torch.tensor([0, 40, 100]))
+
+
 @pytest.mark.parametrize(
     "cpu_copy, exc, match",
     [

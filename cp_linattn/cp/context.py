@@ -199,8 +199,8 @@ def _make_plan(cu_seqlens, cu_seqlens_cpu, world_size: int, split, comm, conv1d_
             raise ValueError(
                 f"cu_seqlens_cpu must be a CPU copy of cu_seqlens ({_fmt_shape(cu_seqlens.shape)} {cu_seqlens.dtype}), got {got}"
             )
-    # the host copy, when given, spares a device-to-host transfer
-    host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+    # the host copy, when given, spares a device-to-host transfer (and is checked as the ops check it)
+    host = cu_seqlens if cu_seqlens_cpu is None else host_offsets(cu_seqlens, cu_seqlens_cpu)
     ok_1d = isinstance(host, torch.Tensor) and host.dim() == 1 and host.numel() > 0
     seq_len = int(host[-1]) if ok_1d else -1
     cu = check_cu_seqlens(host, batch_size=1, seq_len=seq_len, device=host.device if ok_1d else None)
@@ -288,8 +288,10 @@ def build_cp_context(
         `cu_seqlens.device` if it is a CUDA device, else the current CUDA device for an NCCL
         group, else the CPU.
     conv1d_kernel_size: short-convolution width, sets `pre_num_conv_tokens`.
-    cu_seqlens_cpu: optional CPU copy of `cu_seqlens` (spares a device-to-host copy; trusted
-        to hold the same values). The first four parameters match `fla.ops.cp.build_cp_context`.
+    cu_seqlens_cpu: optional CPU copy of `cu_seqlens` (spares a device-to-host copy). Checked
+        against cu_seqlens where that costs no wait for the device: cu_seqlens itself on the
+        CPU, or its values read back earlier (`cp_linattn.ops.utils.host_offsets`); else
+        trusted, as FLA does. The first four parameters match `fla.ops.cp.build_cp_context`.
 
     Collective: every rank of `group` must call it with the same arguments; they exchange
     one small fingerprint, and a mismatch raises ValueError on every rank (never a hang).

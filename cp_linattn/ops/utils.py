@@ -87,14 +87,20 @@ def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None)
 
     In-place changes are seen through the tensor's version counter; writes that bypass it
     (through `.data`, or into memory shared with another framework) are not: give such offsets
-    as a new tensor each time, or pass `cpu_copy`, which is checked against the cached values."""
+    as a new tensor each time, or pass `cpu_copy`, which is checked against the cached values
+    (and against cu_seqlens itself when that is on the CPU: a free check)."""
+    if cpu_copy is not None and cu_seqlens.device.type == "cpu" and not torch.equal(cpu_copy, cu_seqlens):
+        _mismatch(cu_seqlens, cpu_copy)
     entry = _packed_offsets(cu_seqlens, cpu_copy)
     if entry is None:
         return cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
     if cpu_copy is not None and cpu_copy is not entry.cpu and not torch.equal(cpu_copy, entry.cpu):
-        raise ValueError(f"cu_seqlens_cpu must hold the values of cu_seqlens {entry.cpu.tolist()}, "
-                         f"got {cpu_copy.tolist()}")
+        _mismatch(entry.cpu, cpu_copy)
     return entry.cpu
+
+
+def _mismatch(values: torch.Tensor, cpu_copy: torch.Tensor):
+    raise ValueError(f"cu_seqlens_cpu must hold the values of cu_seqlens {values.tolist()}, got {cpu_copy.tolist()}")
 
 
 def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch.device,
