@@ -104,6 +104,10 @@ def test_cu_seqlens_checked_on_the_given_cpu_copy():
     cu = torch.tensor([0, 5, 10])
     assert check_cu_seqlens(cu, batch_size=1, seq_len=10, device=cu.device, cpu_copy=cu.clone()).tolist() == [0, 5, 10]
     with pytest.raises(ValueError, match="must end at T=10"):
+        check_cu_seqlens(torch.tensor([0, 5, 9]), batch_size=1, seq_len=10, device=cu.device,
+                         cpu_copy=torch.tensor([0, 5, 9]))
+    # offsets on the CPU cost nothing to compare with their copy
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu must hold the values of cu_seqlens \[0, 5, 10\], got \[0, 5, 9\]"):
         check_cu_seqlens(torch.tensor([0, 5, 10]), batch_size=1, seq_len=10, device=cu.device,
                          cpu_copy=torch.tensor([0, 5, 9]))
 
