@@ -264,9 +264,10 @@ def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[to
     """
     decay, total = decays
     S_in, record = exchange_forward(ht[-1], total[-1].exp(), context)
-    n = -(-int(context.cu_seqlens_cpu[1]) // CHUNK_SIZE)
+    end, ends_here = _first_fragment(context)
+    n = -(-end // CHUNK_SIZE)
     add_decayed_state(h[0, :n], decay[0, :n], S_in)
-    if context.num_seqs > 1:  # the first sequence ends here: its final state is read
+    if ends_here:  # its final state is read
         ht[0] += total[0].exp()[..., None] * S_in
     return record
 
@@ -289,11 +290,11 @@ def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Te
     """
     context = record.context
     dS_in = exchange_backward(dh0[0], record)
-    start, _ = _last_fragment(context)
+    start, starts_here = _last_fragment(context)
     NT = dh.shape[1]
     n = -(-(int(context.cu_seqlens_cpu[-1]) - start) // CHUNK_SIZE)
     add_decayed_state(dh[0, NT - n:], decay[0, NT - n:], dS_in)
-    if context.num_seqs > 1:  # the last sequence starts here: its dh0 is read
+    if starts_here:  # its dh0 is read
         dh0[-1] += record.M_local[..., None] * dS_in
 
 

@@ -394,23 +394,24 @@ class ChunkGLAFunction(torch.autograd.Function):
         varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         gk, wide = gla_gate_cumsum(g, q.dtype, **varlen)
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        h0, record, S_in, need_ht, middle = initial_state, None, None, output_final_state, False
+        h0, record, S_in, need_ht = initial_state, None, None, output_final_state
+        middle, sends_after_pass = False, False
         if cp_context is not None:
             # Ranks at the ends of a sequence pay nothing extra: one that receives no state sends
             # its local pass's final state, one that sends none receives before its pass; a middle
             # rank adds the received state to its pass's states afterwards (cp/state.py).
             receives, sends = cp_context.pre_num_ranks > 0, cp_context.post_num_ranks > 0
-            middle = receives and sends
+            middle, sends_after_pass = receives and sends, not receives
             if receives and not sends:
                 S_in, record = receive_state(cp_context, (H, K, V), diagonal=True)
             h0 = expand_h0(S_in, initial_state, cp_context, (H, K, V))
-            need_ht = output_final_state or sends or not receives
+            need_ht = output_final_state or sends or sends_after_pass
         # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
         h, ht, decays = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
                                     chunk_size=CHUNK_SIZE, states_dtype=q.dtype, output_decays=middle, **varlen)
         if middle:
             record = gla_apply_incoming_state(h, ht, decays, cp_context)
-        elif cp_context is not None and not cp_context.pre_num_ranks:
+        elif sends_after_pass:
             record = send_final_state(ht, cp_context, diagonal=True)
         if cp_context is not None:
             ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
