@@ -197,6 +197,22 @@ def _count_pre_process_passes(rank: int, world_size: int, op: str, case: dict) -
     return len(calls)
 
 
+@pytest.mark.parametrize("n_tokens, programs, cu, offsets", [
+    (77, 1, [0, 64, 77], [0, 1, 2]),                # a segment per chunk, the last one partial
+    (300, 1, [0, 128, 256, 300], [0, 2, 4, 5]),     # 5 chunks over at most 4 slots: 3 segments of 2
+    (300, 3, [0, 300], [0, 5]),                     # a walk already fills the slots: not cut
+    (300, 8, [0, 300], [0, 5]),
+])
+def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
+    """KDA middle ranks walk their fragment as segments side by side (the CPU has 4 slots);
+    every segment but the last is whole chunks, so each chunk is the one of the unsplit walk."""
+    from cp_linattn.cp.state import FragmentSegments
+
+    segments = FragmentSegments(n_tokens, programs, torch.device("cpu"))
+    assert segments.count == len(cu) - 1
+    assert segments.cu_seqlens.tolist() == cu and segments.chunk_offsets.tolist() == offsets
+
+
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_only_middle_ranks_pay_a_pre_process_pass(op):
     """A rank where the sequence starts sends its local pass's result, one where it ends

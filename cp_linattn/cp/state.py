@@ -27,13 +27,16 @@ turned into `[K, V]` by the op before it gets here).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import triton
 
 from cp_linattn.cp.comm import all_gather_tensor, send_recv_chain
 from cp_linattn.cp.context import FLACPContext, empty_seq_ids
-from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h
+from cp_linattn.ops.common.chunk_delta_h import (chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h,
+                                                 delta_state_block_sizes)
 from cp_linattn.ops.common.chunk_h import add_decayed_state, fold_states
 
 CHUNK_SIZE = 64
@@ -57,6 +60,9 @@ class BoundaryExchange:
         self.context = context
         self.M_local = M_local
         self.M_all = M_all
+        # KDA middle ranks: the segments their forward walk cut the fragment into, with each
+        # segment's transition, for the backward walk of the same tokens (`FragmentSegments`).
+        self.segments: FragmentSegments | None = None
 
 
 def exchange_forward(
@@ -334,6 +340,54 @@ def send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_f
     exchange_backward(dh0[0].transpose(-1, -2) if state_v_first else dh0[0], record)
 
 
+class FragmentSegments:
+    """A fragment cut into segments of whole chunks, for the state kernels to walk side by side.
+
+    One walk of a fragment runs one program per (head, column block), 32 at HV=16, V=128:
+    a quarter of an H200's SMs, each stepping through every chunk in turn, so the walk's time
+    is its length in chunks. Cut into S segments walked as independent sequences (the
+    kernels' varlen path; chunks restart at each segment start, which is a chunk boundary of
+    the fragment, so every chunk is the one of the unsplit walk) and then folded with the
+    segments' transitions, it takes about 1/S of that.
+
+    cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments);
+    transitions: fp32 `[S, HV, K, K]`, set once the forward walk has run.
+    """
+
+    def __init__(self, n_tokens: int, programs: int, device: torch.device):
+        n_chunks = -(-n_tokens // CHUNK_SIZE)
+        per_segment = -(-n_chunks // max(1, min(n_chunks, _parallel_slots(device) // programs)))
+        self.count = -(-n_chunks // per_segment)
+        self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)
+        self.transitions: torch.Tensor | None = None
+
+
+def _parallel_slots(device: torch.device) -> int:
+    """Programs the device runs at once, one per SM. The interpreter has none; 4 there keeps
+    the CPU tests on the segmented path."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached: every layer of a step walks the same fragment."""
+    starts = torch.arange(count + 1, device=device)
+    n_chunks = -(-n_tokens // CHUNK_SIZE)
+    return ((starts * (per_segment * CHUNK_SIZE)).clamp_(max=n_tokens),
+            (starts * per_segment).clamp_(max=n_chunks))
+
+
+def _fold_segments(states: torch.Tensor, transitions: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """The fold of per-segment results `[S, H, K, C]` into the fragment's `[H, K, C]`:
+    forward over the segments, or backward with transposed transitions."""
+    S = states.shape[0]
+    if S == 1:
+        return states[0]
+    order = range(S - 1, -1, -1) if reverse else range(S)
+    return fold_states(states, transitions, order, transpose=reverse)
+
+
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
     """KDA forward pre-process and merge of a rank that receives a state (`pre_num_ranks >
     0`), run before its local state pass. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from
@@ -358,11 +412,21 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
                                           _user_state_of_last(initial_state, context, state_v_first), True,
                                           chunk_size=CHUNK_SIZE, store_chunk_states=False)
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
-    h0 = kg.new_zeros(1, HV, K, V + K, dtype=torch.float32)
+    _, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
+    segments = FragmentSegments(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
+    h0 = kg.new_zeros(segments.count, HV, K, V + K, dtype=torch.float32)
     h0[..., V:] = torch.eye(K, device=kg.device)
-    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:], h0, True, chunk_size=CHUNK_SIZE,
-                                      store_chunk_states=False, state_columns=V + K)
-    return exchange_forward(ht[0, :, :, :V], ht[0, :, :, V:], context)
+    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:], h0, True,
+                                      cu_seqlens=segments.cu_seqlens, chunk_offsets=segments.chunk_offsets,
+                                      chunk_size=CHUNK_SIZE, store_chunk_states=False, state_columns=V + K)
+    segments.transitions = ht[..., V:].clone()
+    # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its identity
+    # start is the map, not an input.
+    ht[1:, ..., V:] = 0
+    SM = _fold_segments(ht, segments.transitions, reverse=False)
+    S_in, record = exchange_forward(SM[..., :V], SM[..., V:], context)
+    record.segments = segments
+    return S_in, record
 
 
 def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record: BoundaryExchange,
@@ -375,6 +439,13 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
     that receive nothing run their local pass first and send its dh0
     (`send_first_state_grad`)."""
     def message(end: int, dht_first: torch.Tensor | None) -> torch.Tensor:
+        segments = record.segments  # the forward walked these tokens (the rank's only sequence)
+        if segments is not None:
+            _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True,
+                                                    cu_seqlens=segments.cu_seqlens,
+                                                    chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
+                                                    store_chunk_grads=False)
+            return _fold_segments(dS_ext, segments.transitions, reverse=True)
         if dht_first is not None:
             dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],

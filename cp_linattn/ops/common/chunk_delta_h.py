@@ -184,14 +184,19 @@ def delta_state_block_sizes(kernel: str, K: int, V: int) -> tuple[int, int]:
     return BK, min(tile(kernel, "BV", V), max(16, 8192 // BK))
 
 
-def _sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
-    """(N, total chunks, chunk_offsets) of a [B, T, ...] batch or a packed one."""
+def _sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size, count_chunks: bool):
+    """(N, total chunks, chunk_offsets) of a [B, T, ...] batch or a packed one. The chunk
+    count of a packed batch is only read (from chunk_indices, or from the device) when
+    `count_chunks`, i.e. when per-chunk tensors are allocated: the CP pre-process, which
+    stores none, passes device offsets and must not wait for the device."""
     B, T = x.shape[:2]
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, chunk_size), None
     if chunk_offsets is None:
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-    n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
+    n_chunks = None
+    if count_chunks:
+        n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
     return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
 
 
@@ -240,7 +245,8 @@ def chunk_delta_rule_fwd_h(
     check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
     check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
     check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
-    N, NT, chunk_offsets = _sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    N, NT, chunk_offsets = _sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+                                                 store_chunk_states)
     if initial_state is not None:
         check_tensor("initial_state", initial_state,
                      shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=kg.device)
@@ -306,7 +312,8 @@ def chunk_delta_rule_bwd_dhu(
         check_tensor(name, x, shape=(B, T, HV, K), device=qg.device)
     check_tensor("do", do, shape=(B, T, HV, None), device=qg.device)
     check_tensor("dv", dv, shape=(B, T, HV, V), device=qg.device)
-    N, NT, chunk_offsets = _sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    N, NT, chunk_offsets = _sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+                                                 store_chunk_grads)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=qg.device)
         dht = dht.contiguous()
