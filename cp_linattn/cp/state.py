@@ -16,7 +16,7 @@ local pass first and sends that pass's result, with no pass of its own; a rank t
 nothing receives first and starts its local pass from what it received. A rank that does
 both (a middle rank) needs its message before what it receives is known: KDA walks the
 fragment with its state kernel before its local pass (forward: its last fragment; backward:
-its first, in reverse); GLA runs its local pass from zero, sends that pass's result, and
+its first, in reverse; cut into segments walked side by side, `FragmentSegments`); GLA runs its local pass from zero, sends that pass's result, and
 adds the received state to the stored states afterwards (the recurrence is linear and its
 transitions diagonal; KDA's state enters v_new, which cannot be corrected that way). M is
 only read for a fragment that continues through its rank (the folds start from an origin
@@ -400,7 +400,8 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     (`final(S) = M S + S_ext`). A last sequence that starts here needs no transition (the
     folds start from it: M is sent as zeros), so its pass runs on u alone, from the user's
     state: half the columns. Ranks that receive nothing run their local pass first and send
-    its final state instead (`send_final_state`).
+    its final state instead (`send_final_state`). A fragment through the rank is walked as
+    `FragmentSegments`, whose transitions the record keeps for the backward walk.
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:
