@@ -16,8 +16,9 @@ local pass first and sends that pass's result, with no pass of its own; a rank t
 nothing receives first and starts its local pass from what it received. A rank that does
 both (a middle rank) needs its message before what it receives is known: KDA walks the
 fragment with its state kernel before its local pass (forward: its last fragment; backward:
-its first, in reverse; cut into segments walked side by side, `FragmentSegments`); GLA runs its local pass from zero, sends that pass's result, and
-adds the received state to the stored states afterwards (the recurrence is linear and its
+its first, in reverse; cut into segments walked side by side where the device has room,
+`FragmentSegments`); GLA runs its local pass from zero, sends that pass's result, and adds
+the received state to the stored states afterwards (the recurrence is linear and its
 transitions diagonal; KDA's state enters v_new, which cannot be corrected that way). M is
 only read for a fragment that continues through its rank (the folds start from an origin
 rank's S_ext), so KDA sends zeros for the others.
@@ -343,22 +344,28 @@ def send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_f
 class FragmentSegments:
     """A fragment cut into segments of whole chunks, for the state kernels to walk side by side.
 
-    One walk of a fragment runs one program per (head, column block), 32 at HV=16, V=128:
-    a quarter of an H200's SMs, each stepping through every chunk in turn, so the walk's time
-    is its length in chunks. Cut into S segments walked as independent sequences (the
-    kernels' varlen path; chunks restart at each segment start, which is a chunk boundary of
-    the fragment, so every chunk is the one of the unsplit walk) and then folded with the
-    segments' transitions, it takes about 1/S of that.
+    One walk of a fragment runs one program per (head, column block), each stepping through
+    every chunk in turn, so its time is its length in chunks whenever the programs do not
+    fill the SMs: 128 programs at HV=16, V=128 (16 columns each) fill an H200's 132, but 32
+    at HV=4 leave three quarters idle. Cut into S segments walked as independent sequences
+    (the kernels' varlen path; chunks restart at each segment start, which is a chunk
+    boundary of the fragment, so every chunk is the one of the unsplit walk) and then
+    folded with the segments' transitions, it takes about 1/S of that. S is the number of
+    walks that fit the SMs side by side (1 when one walk fills them: no fold, no extra
+    launch), at most one segment per chunk.
 
-    cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments);
-    transitions: fp32 `[S, HV, K, K]`, set once the forward walk has run.
+    cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments;
+    None for S = 1);
+    transitions: fp32 `[S, HV, K, K]`, set once the forward walk has run (None for S = 1).
     """
 
     def __init__(self, n_tokens: int, programs: int, device: torch.device):
         n_chunks = -(-n_tokens // CHUNK_SIZE)
         per_segment = -(-n_chunks // max(1, min(n_chunks, _parallel_slots(device) // programs)))
         self.count = -(-n_chunks // per_segment)
-        self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)
+        self.cu_seqlens = self.chunk_offsets = None  # one segment: the plain walk
+        if self.count > 1:
+            self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)
         self.transitions: torch.Tensor | None = None
 
 
@@ -380,7 +387,7 @@ def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.
 
 def _fold_segments(states: torch.Tensor, transitions: torch.Tensor, reverse: bool) -> torch.Tensor:
     """The fold of per-segment results `[S, H, K, C]` into the fragment's `[H, K, C]`:
-    forward over the segments, or backward with transposed transitions."""
+    forward over the segments, or backward with transposed transitions (None for S = 1)."""
     S = states.shape[0]
     if S == 1:
         return states[0]
@@ -420,10 +427,11 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
     _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:], h0, True,
                                       cu_seqlens=segments.cu_seqlens, chunk_offsets=segments.chunk_offsets,
                                       chunk_size=CHUNK_SIZE, store_chunk_states=False, state_columns=V + K)
-    segments.transitions = ht[..., V:].clone()
-    # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its identity
-    # start is the map, not an input.
-    ht[1:, ..., V:] = 0
+    if segments.count > 1:
+        segments.transitions = ht[..., V:].clone()
+        # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its
+        # identity start is the map, not an input.
+        ht[1:, ..., V:] = 0
     SM = _fold_segments(ht, segments.transitions, reverse=False)
     S_in, record = exchange_forward(SM[..., :V], SM[..., V:], context)
     record.segments = segments
