@@ -208,12 +208,46 @@ def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
     every segment but the last is whole chunks, so each chunk is the one of the unsplit walk."""
     from cp_linattn.cp.state import FragmentSegments
 
-    segments = FragmentSegments(n_tokens, programs, torch.device("cpu"))
+    segments = FragmentSegments.filling(n_tokens, programs, torch.device("cpu"))
     assert segments.count == len(cu) - 1
     if segments.count == 1:  # the plain walk
         assert segments.cu_seqlens is None and segments.chunk_offsets is None
     else:
         assert segments.cu_seqlens.tolist() == cu and segments.chunk_offsets.tolist() == offsets
+
+
+def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
+    torch.manual_seed(seed)
+    n = -(-T // 64)
+    g = -torch.rand(1, n * 64, HV, K) * 0.2
+    gk = g.view(1, n, 64, HV, K).cumsum(2).view(1, n * 64, HV, K)[:, :T].contiguous()
+    x = {name: torch.randn(1, T, HV, K) * 0.1 for name in ("kg", "w", "qg")}  # transitions of norm < 1
+    x.update({name: torch.randn(1, T, HV, V) for name in ("u", "do", "dv")})
+    return dict(x, gk=gk)
+
+
+@pytest.mark.parametrize("count", [2, 3, 5])
+def test_segmented_fragment_walks_equal_the_plain_walk(count):
+    """The KDA middle-rank messages walked in segments and folded equal the plain walk
+    (S = 1), whose [S_ext, M] is the fragment's affine map: final(S0) = M S0 + S_ext."""
+    from cp_linattn.cp.state import FragmentSegments, walk_fragment_grad, walk_fragment_state
+    from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h
+
+    T, HV, K, V = 300, 2, 16, 32  # 5 chunks, the last partial
+    x = _fragment(T, HV, K, V, seed=count)
+    cpu = torch.device("cpu")
+    plain, segmented = FragmentSegments(T, 1, cpu), FragmentSegments(T, count, cpu)
+    assert plain.count == 1 and segmented.count == count
+    S_ext, M = walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], plain)
+    S0 = torch.randn(1, HV, K, V)
+    _, _, final = chunk_delta_rule_fwd_h(x["kg"], x["w"], x["u"], x["gk"], S0, True, store_chunk_states=False)
+    torch.testing.assert_close(M @ S0[0] + S_ext, final[0], rtol=1e-5, atol=1e-5)
+    for got, ref in zip(walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segmented), (S_ext, M)):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    grads = [walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25, segments)
+             for segments in (plain, segmented)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("op", ["gla", "kda"])

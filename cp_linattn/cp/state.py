@@ -350,23 +350,28 @@ class FragmentSegments:
     at HV=4 leave three quarters idle. Cut into S segments walked as independent sequences
     (the kernels' varlen path; chunks restart at each segment start, which is a chunk
     boundary of the fragment, so every chunk is the one of the unsplit walk) and then
-    folded with the segments' transitions, it takes about 1/S of that. S is the number of
-    walks that fit the SMs side by side (1 when one walk fills them: no fold, no extra
-    launch), at most one segment per chunk.
+    folded with the segments' transitions, it takes about 1/S of that.
 
+    count: S, at most one per chunk (fewer when the chunks do not divide evenly);
     cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments;
-    None for S = 1);
-    transitions: fp32 `[S, HV, K, K]`, set once the forward walk has run (None for S = 1).
+    None for S = 1, the plain walk); transitions: fp32 `[S, HV, K, K]`, set by
+    `walk_fragment_state` (None for S = 1).
     """
 
-    def __init__(self, n_tokens: int, programs: int, device: torch.device):
+    def __init__(self, n_tokens: int, count: int, device: torch.device):
         n_chunks = -(-n_tokens // CHUNK_SIZE)
-        per_segment = -(-n_chunks // max(1, min(n_chunks, _parallel_slots(device) // programs)))
+        per_segment = -(-n_chunks // max(1, min(n_chunks, count)))
         self.count = -(-n_chunks // per_segment)
-        self.cu_seqlens = self.chunk_offsets = None  # one segment: the plain walk
+        self.cu_seqlens = self.chunk_offsets = None
         if self.count > 1:
             self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)
         self.transitions: torch.Tensor | None = None
+
+    @classmethod
+    def filling(cls, n_tokens: int, programs: int, device: torch.device) -> FragmentSegments:
+        """As many segments of a walk of `programs` programs as fit the SMs side by side (1
+        when one walk fills them: no fold, no extra launch)."""
+        return cls(n_tokens, _parallel_slots(device) // programs, device)
 
 
 def _parallel_slots(device: torch.device) -> int:
@@ -385,7 +390,7 @@ def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.
             (starts * per_segment).clamp_(max=n_chunks))
 
 
-def _fold_segments(states: torch.Tensor, transitions: torch.Tensor, reverse: bool) -> torch.Tensor:
+def _fold_segments(states: torch.Tensor, transitions: torch.Tensor | None, reverse: bool) -> torch.Tensor:
     """The fold of per-segment results `[S, H, K, C]` into the fragment's `[H, K, C]`:
     forward over the segments, or backward with transposed transitions (None for S = 1)."""
     S = states.shape[0]
@@ -395,6 +400,41 @@ def _fold_segments(states: torch.Tensor, transitions: torch.Tensor, reverse: boo
     return fold_states(states, transitions, order, transpose=reverse)
 
 
+def walk_fragment_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: torch.Tensor,
+                        segments: FragmentSegments) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_ext fp32 `[HV, K, V]`, M fp32 `[HV, K, K]`) of a fragment `[1, T_frag, HV, *]` (kg,
+    w, gk: K; u: V): its final state from zero and its transition, `final(S) = M S + S_ext`.
+
+    The recurrence is linear in the state, so one walk of the delta-rule state kernel on
+    `[u, 0]` from `[0, I]` yields `[S_ext, M]`; per segment, then folded. Keeps the segments'
+    transitions in `segments` for `walk_fragment_grad`.
+    """
+    HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
+    h0 = kg.new_zeros(segments.count, HV, K, V + K, dtype=torch.float32)
+    h0[..., V:] = torch.eye(K, device=kg.device)
+    _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, h0, True, cu_seqlens=segments.cu_seqlens,
+                                      chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
+                                      store_chunk_states=False, state_columns=V + K)
+    if segments.count > 1:
+        segments.transitions = ht[..., V:].clone()
+        # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its
+        # identity start is the map, not an input.
+        ht[1:, ..., V:] = 0
+    SM = _fold_segments(ht, segments.transitions, reverse=False)
+    return SM[..., :V], SM[..., V:]
+
+
+def walk_fragment_grad(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: torch.Tensor, do: torch.Tensor,
+                       dv: torch.Tensor, scale: float, segments: FragmentSegments) -> torch.Tensor:
+    """fp32 `[HV, K, V]`: the gradient leaving the start of a fragment (arguments as in
+    `chunk_delta_rule_bwd_dhu`) with none arriving at its end: a reverse dhu walk per
+    segment, folded with the transitions `walk_fragment_state` kept in `segments`."""
+    _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True, cu_seqlens=segments.cu_seqlens,
+                                        chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
+                                        store_chunk_grads=False)
+    return _fold_segments(dS, segments.transitions, reverse=True)
+
+
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
     """KDA forward pre-process and merge of a rank that receives a state (`pre_num_ranks >
     0`), run before its local state pass. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from
@@ -402,13 +442,11 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
 
     The message is the last local sequence's state from a zero start (S_ext) and, when that
     sequence continues through this rank (its only sequence, from an earlier rank to a later
-    one), its transition M: the recurrence is linear in the state, so one pass of the
-    delta-rule state kernel on `[u, 0]` from `[0, I]` yields `[S_ext, M]`
-    (`final(S) = M S + S_ext`). A last sequence that starts here needs no transition (the
-    folds start from it: M is sent as zeros), so its pass runs on u alone, from the user's
-    state: half the columns. Ranks that receive nothing run their local pass first and send
-    its final state instead (`send_final_state`). A fragment through the rank is walked as
-    `FragmentSegments`, whose transitions the record keeps for the backward walk.
+    one), its transition M (`walk_fragment_state`, in as many segments as fit the SMs; the
+    record keeps them for the backward walk). A last sequence that starts here needs no
+    transition (the folds start from it: M is sent as zeros), so its pass runs on u alone,
+    from the user's state: half the columns. Ranks that receive nothing run their local pass
+    first and send its final state instead (`send_final_state`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:
@@ -421,19 +459,9 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
                                           chunk_size=CHUNK_SIZE, store_chunk_states=False)
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
     _, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
-    segments = FragmentSegments(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
-    h0 = kg.new_zeros(segments.count, HV, K, V + K, dtype=torch.float32)
-    h0[..., V:] = torch.eye(K, device=kg.device)
-    _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:], h0, True,
-                                      cu_seqlens=segments.cu_seqlens, chunk_offsets=segments.chunk_offsets,
-                                      chunk_size=CHUNK_SIZE, store_chunk_states=False, state_columns=V + K)
-    if segments.count > 1:
-        segments.transitions = ht[..., V:].clone()
-        # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its
-        # identity start is the map, not an input.
-        ht[1:, ..., V:] = 0
-    SM = _fold_segments(ht, segments.transitions, reverse=False)
-    S_in, record = exchange_forward(SM[..., :V], SM[..., V:], context)
+    segments = FragmentSegments.filling(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
+    S_ext, M = walk_fragment_state(*fragment, u[:, start:], gk[:, start:], segments)
+    S_in, record = exchange_forward(S_ext, M, context)
     record.segments = segments
     return S_in, record
 
@@ -448,13 +476,8 @@ def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record
     that receive nothing run their local pass first and send its dh0
     (`send_first_state_grad`)."""
     def message(end: int, dht_first: torch.Tensor | None) -> torch.Tensor:
-        segments = record.segments  # the forward walked these tokens (the rank's only sequence)
-        if segments is not None:
-            _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True,
-                                                    cu_seqlens=segments.cu_seqlens,
-                                                    chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
-                                                    store_chunk_grads=False)
-            return _fold_segments(dS_ext, segments.transitions, reverse=True)
+        if record.segments is not None:  # the forward walked these tokens (the rank's only sequence)
+            return walk_fragment_grad(qg, kg, w, gk, do, dv, scale, record.segments)
         if dht_first is not None:
             dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
