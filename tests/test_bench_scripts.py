@@ -105,3 +105,16 @@ def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert sorted((r["op"], r["rank"]) for r in rows) == [(op, r) for op in ("gla", "kda") for r in range(3)]
     assert all(r["max_rel_err"] < 1e-5 for r in rows), [(r["op"], r["rank"], r["max_rel_err"]) for r in rows]
+
+
+def test_bench_walks_smoke_checks_every_setting(monkeypatch, capsys):
+    """bench_walks.py --smoke (CPU, no timing): every (BV, segments) setting's messages agree
+    with the plain walk, one table row each."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_walks", ROOT / "scripts" / "bench_walks.py")
+    bench_walks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_walks)
+    bench_walks.main(["--smoke", "--BV", "16", "32", "--segments", "1", "2", "5"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["16", "1"], ["16", "2"], ["16", "5"],
+                                                       ["32", "1"], ["32", "2"], ["32", "5"]]
