@@ -1,12 +1,13 @@
-"""Time the walks of a KDA middle rank's CP pre-process by column tile (BV) and segment count.
+"""Time the walks of a KDA middle rank's CP pre-process by column tile, warps and segment count.
 
 A rank that both receives and sends under CP walks its fragment twice before its local
 passes: forward on `[u, 0]` from `[0, I]` (`walk_fragment_state`, V + K columns) and in
 reverse for the gradient (`walk_fragment_grad`, V columns). Each walk runs one program per
 (head, BV columns), stepping through the chunks in turn; cut into S segments walked side by
 side (`FragmentSegments`) and folded, it has S times the programs and 1/S of the steps. The
-library picks S = SMs // programs (`FragmentSegments.filling`) and BV from
-`cp_linattn/ops/launch.py`; this sweep shows what other choices would cost.
+library picks S = SMs // programs (`FragmentSegments.filling`) and BV and warps from
+`cp_linattn/ops/launch.py`; this sweep shows what other choices would cost (offline, sm_90a:
+the backward walk spills at every BV with 4 warps, less with 8; BENCHMARKS.md).
 
 Every setting's messages (fp32) are checked against the plain walk (S = 1) at the current
 BV (column "max rel diff"; the script fails above 1e-5 for fp32 inputs, 2e-2 for bf16, whose
@@ -18,8 +19,10 @@ walks round the state to bf16 for their dots). Timer: `triton.testing.do_bench` 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
+from triton.testing import do_bench
 
 from cp_linattn.cp.state import FragmentSegments, walk_fragment_grad, walk_fragment_state
 from cp_linattn.ops.launch import LAUNCH
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--T", type=int, default=8192, help="fragment tokens (default 8192; --smoke 300)")
     p.add_argument("--HV", type=int, nargs="+", default=[16, 4], help="value heads (default 16 4; --smoke 2)")
     p.add_argument("--BV", type=int, nargs="+", default=[16, 32, 64], help="column tiles (default 16 32 64)")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps (default 4 8)")
     p.add_argument("--segments", type=int, nargs="+", default=[1, 2, 4, 8], help="segment counts S")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, no timing (CPU: TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
@@ -64,34 +68,34 @@ def main(argv: list[str] | None = None) -> None:
     head_counts = [2] if args.smoke else args.HV
     dtype = torch.float32 if args.smoke else torch.bfloat16
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    saved = {name: LAUNCH[name]["BV"] for name in WALK_KERNELS}
+    saved = {name: dict(LAUNCH[name]) for name in WALK_KERNELS}
     print(f"T={T}, K={K}, V={V}, {str(dtype).removeprefix('torch.')}; walk times in us "
           f"(fwd: V + K = {V + K} columns; bwd: {V})")
-    print("| HV | BV | S | fwd walk us | bwd walk us | max rel diff |")
-    print("|---|---|---|---|---|---|")
+    print("| HV | BV | warps | S | fwd walk us | bwd walk us | max rel diff |")
+    print("|---|---|---|---|---|---|---|")
     try:
         for HV in head_counts:
             x = fragment(T, HV, K, V, device, dtype)
             plain = walks(x, FragmentSegments(T, 1, torch.device(device)))
-            for BV in args.BV:
+            for BV, warps, S in itertools.product(args.BV, args.warps, args.segments):
                 for name in WALK_KERNELS:
-                    LAUNCH[name]["BV"] = BV
-                for S in args.segments:
-                    segments = FragmentSegments(T, S, torch.device(device))
-                    diff = max_rel_diff(walks(x, segments), plain)
-                    times = ("-", "-")
-                    if not args.smoke:
-                        from triton.testing import do_bench
-                        f = lambda: walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segments)  # noqa: E731
-                        b = lambda: walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
-                                                       0.088, segments)
-                        times = tuple(f"{do_bench(fn, warmup=5, rep=30) * 1e3:.1f}" for fn in (f, b))
-                    print(f"| {HV} | {BV} | {segments.count} | {times[0]} | {times[1]} | {diff:.1e} |", flush=True)
-                    if not diff <= tol:
-                        raise SystemExit(f"HV={HV} BV={BV} S={segments.count}: messages differ by {diff:.1e} > {tol}")
+                    LAUNCH[name].update(BV=BV, num_warps=warps)
+                segments = FragmentSegments(T, S, torch.device(device))
+                diff = max_rel_diff(walks(x, segments), plain)
+                times = ("-", "-")
+                if not args.smoke:
+                    f = lambda: walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segments)  # noqa: E731
+                    b = lambda: walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
+                                                   0.088, segments)
+                    times = tuple(f"{do_bench(fn, warmup=5, rep=30) * 1e3:.1f}" for fn in (f, b))
+                print(f"| {HV} | {BV} | {warps} | {segments.count} | {times[0]} | {times[1]} | {diff:.1e} |",
+                      flush=True)
+                if not diff <= tol:
+                    raise SystemExit(f"HV={HV} BV={BV} warps={warps} S={segments.count}: "
+                                     f"messages differ by {diff:.1e} > {tol}")
     finally:
         for name in WALK_KERNELS:
-            LAUNCH[name]["BV"] = saved[name]
+            LAUNCH[name] = saved[name]
 
 
 if __name__ == "__main__":
