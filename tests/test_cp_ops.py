@@ -245,6 +245,9 @@ def test_segmented_fragment_walks_equal_the_plain_walk(count):
     torch.testing.assert_close(M @ S0[0] + S_ext, final[0], rtol=1e-5, atol=1e-5)
     for got, ref in zip(walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segmented), (S_ext, M)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must have been walked by walk_fragment_state"):
+        walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25,
+                           FragmentSegments(T, count, cpu))
     grads = [walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25, segments)
              for segments in (plain, segmented)]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)

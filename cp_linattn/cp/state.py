@@ -429,6 +429,9 @@ def walk_fragment_grad(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: 
     """fp32 `[HV, K, V]`: the gradient leaving the start of a fragment (arguments as in
     `chunk_delta_rule_bwd_dhu`) with none arriving at its end: a reverse dhu walk per
     segment, folded with the transitions `walk_fragment_state` kept in `segments`."""
+    if segments.count > 1 and segments.transitions is None:
+        raise ValueError(f"segments ({segments.count}) must have been walked by walk_fragment_state first: "
+                         "the fold needs their transitions")
     _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True, cu_seqlens=segments.cu_seqlens,
                                         chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
                                         store_chunk_grads=False)
