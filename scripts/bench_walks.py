@@ -24,7 +24,8 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from cp_linattn.cp.state import FragmentSegments, walk_fragment_grad, walk_fragment_state
+from cp_linattn.cp.state import CHUNK_SIZE, FragmentSegments, walk_fragment_grad, walk_fragment_state
+from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.launch import LAUNCH
 
 WALK_KERNELS = ("delta_rule_fwd_h", "delta_rule_bwd_dhu")
@@ -33,9 +34,7 @@ WALK_KERNELS = ("delta_rule_fwd_h", "delta_rule_bwd_dhu")
 def fragment(T: int, HV: int, K: int, V: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """WY-stage tensors of a `[1, T]` fragment: transitions of norm below 1, chunk-local gates."""
     torch.manual_seed(0)
-    n = -(-T // 64)
-    g = -torch.rand(1, n * 64, HV, K, device=device) * 0.05
-    gk = g.view(1, n, 64, HV, K).cumsum(2).view(1, n * 64, HV, K)[:, :T].contiguous()
+    gk = chunk_local_cumsum(-torch.rand(1, T, HV, K, device=device) * 0.05, CHUNK_SIZE)
     x = {name: (torch.randn(1, T, HV, K, device=device) * 0.05).to(dtype) for name in ("kg", "w", "qg")}
     x.update({name: torch.randn(1, T, HV, V, device=device).to(dtype) for name in ("u", "do", "dv")})
     return dict(x, gk=gk)

@@ -218,10 +218,11 @@ def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
 
 def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
+    from cp_linattn.cp.state import CHUNK_SIZE
+    from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+
     torch.manual_seed(seed)
-    n = -(-T // 64)
-    g = -torch.rand(1, n * 64, HV, K) * 0.2
-    gk = g.view(1, n, 64, HV, K).cumsum(2).view(1, n * 64, HV, K)[:, :T].contiguous()
+    gk = chunk_local_cumsum(-torch.rand(1, T, HV, K) * 0.2, CHUNK_SIZE)
     x = {name: torch.randn(1, T, HV, K) * 0.1 for name in ("kg", "w", "qg")}  # transitions of norm < 1
     x.update({name: torch.randn(1, T, HV, V) for name in ("u", "do", "dv")})
     return dict(x, gk=gk)

@@ -461,6 +461,8 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
                                           _user_state_of_last(initial_state, context, state_v_first), True,
                                           chunk_size=CHUNK_SIZE, store_chunk_states=False)
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
+    # Sized for the backward walk (V columns), which reuses these segments; the forward's
+    # V + K columns give it twice the programs, which the SMs then run in two rounds.
     _, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
     segments = FragmentSegments.filling(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
     S_ext, M = walk_fragment_state(*fragment, u[:, start:], gk[:, start:], segments)
