@@ -5,9 +5,10 @@ passes: forward on `[u, 0]` from `[0, I]` (`walk_fragment_state`, V + K columns)
 reverse for the gradient (`walk_fragment_grad`, V columns). Each walk runs one program per
 (head, BV columns), stepping through the chunks in turn; cut into S segments walked side by
 side (`FragmentSegments`) and folded, it has S times the programs and 1/S of the steps. The
-library picks S = SMs // programs (`FragmentSegments.filling`) and BV and warps from
-`cp_linattn/ops/launch.py`; this sweep shows what other choices would cost (offline, sm_90a:
-the backward walk spills at every BV with 4 warps, less with 8; BENCHMARKS.md).
+library picks S = SMs // programs, at most 8 (`FragmentSegments.filling`), and BV and warps
+from the `fragment_*_walk` entries of `cp_linattn/ops/launch.py`; this sweep shows what
+other choices would cost (offline, sm_90a: the backward walk spills at every BV with 4
+warps, less with 8; BENCHMARKS.md).
 
 Every setting's messages (fp32) are checked against the plain walk (S = 1) at the current
 BV (column "max rel diff"; the script fails above 1e-5 for fp32 inputs, 2e-2 for bf16, whose
@@ -25,10 +26,11 @@ import torch
 from triton.testing import do_bench
 
 from cp_linattn.cp.state import CHUNK_SIZE, FragmentSegments, walk_fragment_grad, walk_fragment_state
+from cp_linattn.ops.common.chunk_delta_h import delta_state_block_sizes
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.launch import LAUNCH
 
-WALK_KERNELS = ("delta_rule_fwd_h", "delta_rule_bwd_dhu")
+WALK_KERNELS = ("fragment_state_walk", "fragment_grad_walk")
 
 
 def fragment(T: int, HV: int, K: int, V: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--T", type=int, default=8192, help="fragment tokens (default 8192; --smoke 300)")
     p.add_argument("--HV", type=int, nargs="+", default=[16, 4], help="value heads (default 16 4; --smoke 2)")
-    p.add_argument("--BV", type=int, nargs="+", default=[16, 32, 64], help="column tiles (default 16 32 64)")
+    p.add_argument("--BV", type=int, nargs="+", default=[16, 32, 64],
+                   help="column tiles (default 16 32 64; at most 8192 // K: the fp32 state's register budget)")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps (default 4 8)")
     p.add_argument("--segments", type=int, nargs="+", default=[1, 2, 4, 8], help="segment counts S")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, no timing (CPU: TRITON_INTERPRET=1)")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                     b = lambda: walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
                                                    0.088, segments)
                     times = tuple(f"{do_bench(fn, warmup=5, rep=30) * 1e3:.1f}" for fn in (f, b))
+                BV = delta_state_block_sizes(WALK_KERNELS[1], K, V)[1]  # as capped by the launcher
                 print(f"| {HV} | {BV} | {warps} | {segments.count} | {times[0]} | {times[1]} | {diff:.1e} |",
                       flush=True)
                 if not diff <= tol:

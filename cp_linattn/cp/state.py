@@ -41,6 +41,10 @@ from cp_linattn.ops.common.chunk_delta_h import (chunk_delta_rule_bwd_dhu, chunk
 from cp_linattn.ops.common.chunk_h import add_decayed_state, fold_states
 
 CHUNK_SIZE = 64
+# The forward fold chains the segments one K x K product after another: past 8 segments it
+# cost more than the shorter walks saved (H200, HV=4: 16 segments took both walks from 0.24
+# to 0.44 ms; scripts/bench_walks.py).
+MAX_SEGMENTS = 8
 
 
 def apply_transition(M: torch.Tensor, S: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -346,11 +350,13 @@ class FragmentSegments:
 
     One walk of a fragment runs one program per (head, column block), each stepping through
     every chunk in turn, so its time is its length in chunks whenever the programs do not
-    fill the SMs: 128 programs at HV=16, V=128 (16 columns each) fill an H200's 132, but 32
-    at HV=4 leave three quarters idle. Cut into S segments walked as independent sequences
-    (the kernels' varlen path; chunks restart at each segment start, which is a chunk
-    boundary of the fragment, so every chunk is the one of the unsplit walk) and then
-    folded with the segments' transitions, it takes about 1/S of that.
+    fill the SMs: 32 programs at HV=16, V=128 (64 columns each, `fragment_grad_walk`) leave
+    three quarters of an H200's 132 SMs idle. Cut into S segments walked as independent
+    sequences (the kernels' varlen path; chunks restart at each segment start, which is a
+    chunk boundary of the fragment, so every chunk is the one of the unsplit walk) and then
+    folded with the segments' transitions, it takes less: at HV=16 and 8192 tokens, 4
+    segments of 64-column tiles walk the gradient in 0.12 ms against 0.26 ms for one walk of
+    16-column tiles (BENCHMARKS.md).
 
     count: S, at most one per chunk (fewer when the chunks do not divide evenly);
     cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments;
@@ -370,8 +376,8 @@ class FragmentSegments:
     @classmethod
     def filling(cls, n_tokens: int, programs: int, device: torch.device) -> FragmentSegments:
         """As many segments of a walk of `programs` programs as fit the SMs side by side (1
-        when one walk fills them: no fold, no extra launch)."""
-        return cls(n_tokens, _parallel_slots(device) // programs, device)
+        when one walk fills them: no fold, no extra launch), at most MAX_SEGMENTS."""
+        return cls(n_tokens, min(MAX_SEGMENTS, _parallel_slots(device) // programs), device)
 
 
 def _parallel_slots(device: torch.device) -> int:
@@ -414,7 +420,7 @@ def walk_fragment_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: 
     h0[..., V:] = torch.eye(K, device=kg.device)
     _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, h0, True, cu_seqlens=segments.cu_seqlens,
                                       chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
-                                      store_chunk_states=False, state_columns=V + K)
+                                      store_chunk_states=False, state_columns=V + K, launch="fragment_state_walk")
     if segments.count > 1:
         segments.transitions = ht[..., V:].clone()
         # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its
@@ -434,7 +440,7 @@ def walk_fragment_grad(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: 
                          "the fold needs their transitions")
     _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True, cu_seqlens=segments.cu_seqlens,
                                         chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
-                                        store_chunk_grads=False)
+                                        store_chunk_grads=False, launch="fragment_grad_walk")
     return _fold_segments(dS, segments.transitions, reverse=True)
 
 
@@ -463,7 +469,7 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
     # Sized for the backward walk (V columns), which reuses these segments; the forward's
     # V + K columns give it twice the programs, which the SMs then run in two rounds.
-    _, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
+    _, BV = delta_state_block_sizes("fragment_grad_walk", K, V)
     segments = FragmentSegments.filling(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
     S_ext, M = walk_fragment_state(*fragment, u[:, start:], gk[:, start:], segments)
     S_in, record = exchange_forward(S_ext, M, context)

@@ -22,6 +22,11 @@ LAUNCH: dict[str, dict[str, int]] = {
     "fold_states": dict(BV=16, num_warps=8, num_stages=1),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
     "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
+    # The same kernels on a KDA middle rank's fragment under CP, walked in segments side by
+    # side (cp_linattn/cp/state.py): wide tiles read each head's K-wide inputs fewer times,
+    # and the segments give back the programs they remove (scripts/bench_walks.py, H200).
+    "fragment_state_walk": dict(BV=64, num_warps=4, num_stages=3),
+    "fragment_grad_walk": dict(BV=64, num_warps=4, num_stages=3),
     # The kernels launched twice (dot and exact diagonal blocks, cp_linattn/ops/common/intra.py)
     # have an entry per launch, the exact one under `<kernel>_wide` (`split_launch`).
     # Chunk-parallel GLA kernels: a V tile as wide as the head builds the intra-chunk

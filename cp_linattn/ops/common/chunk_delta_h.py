@@ -214,6 +214,7 @@ def chunk_delta_rule_fwd_h(
     state_v_first: bool = False,
     store_chunk_states: bool = True,
     state_columns: int | None = None,
+    launch: str = "delta_rule_fwd_h",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
@@ -230,6 +231,7 @@ def chunk_delta_rule_fwd_h(
         state_columns: the state's columns V (default: u's); u then feeds the first u's-width
             of them and the others take zero input: the CP pre-process walks `[u, 0]` from
             `[0, I]`, a fragment's state and its transition at once, without building `[u, 0]`.
+        launch: the `cp_linattn.ops.launch.LAUNCH` entry of the launch settings.
 
     Returns (V: `state_columns`):
         h: fp32 `[B, NT, HV, K, V]` (always K-first), h[:, c] the state entering chunk c (NT:
@@ -257,7 +259,7 @@ def chunk_delta_rule_fwd_h(
     final_state = None
     if output_final_state:
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    BK, BV = delta_state_block_sizes("delta_rule_fwd_h", K, V)
+    BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
         delta_rule_fwd_h_kernel[(triton.cdiv(V, BV), N * HV)](
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
@@ -265,7 +267,7 @@ def chunk_delta_rule_fwd_h(
             HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
             STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype), U_COLS=U,
-            **launch_options("delta_rule_fwd_h"),
+            **launch_options(launch),
         )
     return h, v_new, final_state
 
@@ -286,6 +288,7 @@ def chunk_delta_rule_bwd_dhu(
     chunk_size: int = 64,
     state_v_first: bool = False,
     store_chunk_grads: bool = True,
+    launch: str = "delta_rule_bwd_dhu",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Reverse recurrence of the gated delta rule, for outputs `o = scale * qg h + (intra)`.
 
@@ -294,6 +297,7 @@ def chunk_delta_rule_bwd_dhu(
         do: `[B, T, HV, V]` output gradient; dv: `[B, T, HV, V]` gradient of v_new from the
             intra-chunk outputs (`Aqk^T do`).
         dht: optional gradient of the final states (layout as the states), read as fp32.
+        launch: the `cp_linattn.ops.launch.LAUNCH` entry of the launch settings.
 
     Returns:
         dh: fp32 `[B, NT, HV, K, V]`, dh[:, c] the gradient w.r.t. the state LEAVING chunk c
@@ -324,7 +328,7 @@ def chunk_delta_rule_bwd_dhu(
     dh0 = None
     if need_dh0:
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    BK, BV = delta_state_block_sizes("delta_rule_bwd_dhu", K, V)
+    BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
         delta_rule_bwd_dhu_kernel[(triton.cdiv(V, BV), N * HV)](
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
@@ -332,7 +336,7 @@ def chunk_delta_rule_bwd_dhu(
             HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
             STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype),
-            **launch_options("delta_rule_bwd_dhu"),
+            **launch_options(launch),
         )
     return dh, dh0, dv2
 
