@@ -215,10 +215,19 @@ def kernel_profile(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, f
     return profile_kernels(fn, reps)
 
 
-def kernel_ms(fn: Callable[[], object], reps: int = 5) -> float | None:
+def total_ms(kernels: list[tuple[str, float, int]] | None) -> float | None:
     """GPU kernel time of one call: the summed kernel durations, with no host gaps."""
-    kernels = kernel_profile(fn, reps)
     return None if kernels is None else sum(ms for _, ms, _ in kernels)
+
+
+def kernel_excess(cp: list[tuple[str, float, int]], local: list[tuple[str, float, int]]
+                  ) -> list[tuple[str, float, int]]:
+    """Per kernel name, what the CP call spends beyond the local call (ms, extra launches),
+    largest first: where a CP excess above the pre-process comes from."""
+    before = {name: (ms, n) for name, ms, n in local}
+    diff = [(name, ms - before.get(name, (0.0, 0))[0], n - before.get(name, (0.0, 0))[1]) for name, ms, n in cp]
+    diff += [(name, -ms, -n) for name, ms, n in local if name not in {c[0] for c in cp}]
+    return sorted(diff, key=lambda d: -abs(d[1]))
 
 
 def _fwd(spec: OpSpec, x: Tensors, **kw) -> Callable[[], None]:
@@ -286,8 +295,9 @@ def pre_process_fns(spec: OpSpec, calls: dict[str, mock._Call]) -> tuple[Callabl
 
 
 def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors,
-               ctx: FLACPContext, local_ms: dict[int, tuple[float, float]], timer: Timer) -> dict:
-    """Figures of the rank `ctx` describes; `local_ms` caches the local times by slice length."""
+               ctx: FLACPContext, local_ms: dict[int, tuple], timer: Timer) -> dict:
+    """Figures of the rank `ctx` describes; `local_ms` caches the local times (wall fwd, wall
+    fwd+bwd, kernels of fwd+bwd) by slice length."""
     x, do = _local_leaves(x_global, ctx), shard(do_global, ctx)
     o, calls = captured_step(spec, x, do, ctx)
     err = max([_rel_err(o, shard(ref["o"], ctx))] + [_rel_err(t.grad, shard(ref[n], ctx)) for n, t in x.items()])
@@ -295,18 +305,19 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
     if L not in local_ms:
         cu_local = torch.tensor([0, L], dtype=torch.int64, device=do.device)
         local_fwd, local_fwd_bwd = _fwd(spec, x, cu_seqlens=cu_local), _fwd_bwd(spec, x, do, cu_seqlens=cu_local)
-        local_ms[L] = timer(local_fwd), timer(local_fwd_bwd), kernel_ms(local_fwd_bwd)
+        local_ms[L] = timer(local_fwd), timer(local_fwd_bwd), kernel_profile(local_fwd_bwd)
     pre_fwd, pre_bwd = pre_process_fns(spec, calls)
     cp_fwd_bwd = _fwd_bwd(spec, x, do, cp_context=ctx)
     pre_kernels = {d: kernel_profile(fn) for d, fn in (("fwd", pre_fwd), ("bwd", pre_bwd))}
+    cp_kernels = kernel_profile(cp_fwd_bwd)
     row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=L, local_fwd_ms=local_ms[L][0],
                local_fwd_bwd_ms=local_ms[L][1], pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
                cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=timer(cp_fwd_bwd),
-               local_fwd_bwd_kernel_ms=local_ms[L][2],
-               **{f"pre_{d}_kernel_ms": None if k is None else sum(ms for _, ms, _ in k)
-                  for d, k in pre_kernels.items()},
+               local_fwd_bwd_kernel_ms=total_ms(local_ms[L][2]),
+               **{f"pre_{d}_kernel_ms": total_ms(k) for d, k in pre_kernels.items()},
                **{f"pre_{d}_kernels": k for d, k in pre_kernels.items()},
-               cp_fwd_bwd_kernel_ms=kernel_ms(cp_fwd_bwd), max_rel_err=err)
+               cp_fwd_bwd_kernel_ms=total_ms(cp_kernels), max_rel_err=err,
+               cp_excess_kernels=None if cp_kernels is None else kernel_excess(cp_kernels, local_ms[L][2]))
     row["overhead_pct"] = 100 * (row["pre_fwd_ms"] + row["pre_bwd_ms"]) / row["local_fwd_bwd_ms"]
     row["cp_excess_pct"] = 100 * (row["cp_fwd_bwd_ms"] / row["local_fwd_bwd_ms"] - 1)
     if row["local_fwd_bwd_kernel_ms"] is not None:
@@ -389,7 +400,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def worst_rank_kernels(rows: list[dict], top: int = 6) -> str:
-    """The longest pre-process kernels of each (op, D)'s worst rank, as markdown lines."""
+    """The longest pre-process kernels of each (op, D)'s worst rank, and the kernels whose
+    time differs most between its CP call and its local call, as markdown lines."""
     lines = []
     for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
         w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=cp_cost_pct)
@@ -398,6 +410,9 @@ def worst_rank_kernels(rows: list[dict], top: int = 6) -> str:
             if kernels:
                 listed = ", ".join(f"{name[:48]} {ms:.3f} ms x{n}" for name, ms, n in kernels[:top])
                 lines.append(f"- {op} D={D} rank {w['rank']} pre {d}: {listed}")
+        if w.get("cp_excess_kernels"):
+            listed = ", ".join(f"{name[:48]} {ms:+.3f} ms {n:+d}" for name, ms, n in w["cp_excess_kernels"][:top])
+            lines.append(f"- {op} D={D} rank {w['rank']} CP call minus local call: {listed}")
     return "\n".join(lines) + "\n"
 
 

@@ -50,7 +50,8 @@ def test_counts_of_every_case(bench_ops, group):
 def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     """bench_cp.py's per-kernel lines name, for each (op, D), the rank CP costs most (the
     larger of its pre-process share and its CP excess, which also sees what the local
-    kernels do differently under CP), its longest kernels first."""
+    kernels do differently under CP), its longest kernels first, then the kernels whose time
+    differs most between its CP call and its local call."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "scripts" / "bench_cp.py")
     bench_cp = importlib.util.module_from_spec(spec)
@@ -66,10 +67,17 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     rows = [row("kda", 0, 0.3, 0.0, 40.0), row("kda", 1, 0.0, 0.5, 20.0),
             row("gla", 0, 0.05, 0.0, 12.0), row("gla", 1, 0.0, 0.08, 9.0)]
     assert [bench_cp.cp_cost_pct(r) for r in rows] == pytest.approx([40.0, 50.0, 12.0, 9.0])
+    local = [("state_pass", 0.4, 1), ("output", 0.3, 2), ("cumsum", 0.1, 1)]
+    cp = [("state_pass", 0.45, 1), ("dhu_walk", 0.5, 1), ("output", 0.3, 2)]
+    rows[2]["cp_excess_kernels"] = bench_cp.kernel_excess(cp, local)
+    assert rows[2]["cp_excess_kernels"] == [("dhu_walk", 0.5, 1), ("cumsum", -0.1, -1),
+                                            ("state_pass", pytest.approx(0.05), 0), ("output", 0.0, 0)]
     text = bench_cp.worst_rank_kernels(rows)
     assert text == ("- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n"
                     "- gla D=2 rank 0 pre fwd: fwd_walk 0.050 ms x1\n"
-                    "- gla D=2 rank 0 pre bwd: dhu_walk 0.000 ms x1, fold 0.010 ms x3\n"), text
+                    "- gla D=2 rank 0 pre bwd: dhu_walk 0.000 ms x1, fold 0.010 ms x3\n"
+                    "- gla D=2 rank 0 CP call minus local call: dhu_walk +0.500 ms +1, cumsum -0.100 ms -1, "
+                    "state_pass +0.050 ms +0, output +0.000 ms +0\n"), text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
