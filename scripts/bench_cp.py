@@ -331,7 +331,7 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
 def bench_degree(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors, D: int,
                  timer: Timer) -> list[dict]:
     cu_global = torch.tensor([0, do_global.shape[1]], dtype=torch.int64, device=do_global.device)
-    local_ms: dict[int, tuple[float, float]] = {}
+    local_ms: dict[int, tuple] = {}
     rows = []
     with mock.patch.object(cp_comm, "_all_gather_flat", EmulatedAllGather()):
         # Pass 1: every rank sends its messages once (and the kernels compile).
