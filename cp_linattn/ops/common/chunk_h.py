@@ -53,72 +53,25 @@ def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARL
 
 
 @triton.jit
-def chunk_state_forward_kernel(
-    k, v, gk, h, h0, ht, decay, decay_total,
-    cu_seqlens, chunk_offsets,
-    T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STORE_DECAY: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Writes h[chunk] = state entering each chunk; grid (cdiv(V, BV), cdiv(K, BK), N * H).
-    With STORE_DECAY also the log decay from the sequence start to each chunk (decay) and
-    over the whole sequence (decay_total), written by the first V tile."""
-    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
-    b_decay = tl.zeros([BK], dtype=tl.float32)
-    m_decay = m_k & (i_v == 0)
-
-    for i_t in range(0, tl.cdiv(seq_len, BT)):
-        if STORE_CHUNKS:
-            tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_h.to(h.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < seq_len
-        rows = (bos + o_t) * H + i_h
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
-        b_g = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
-        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
-        last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
-        b_g_last = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)
-        # Padded rows would see exp(b_last - 0) > 1; zero them instead of trusting k == 0.
-        b_k_to_end = tl.where(m_t[:, None], b_k * tl.exp(b_g_last[None, :] - b_g), 0)
-        b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
-            tl.trans(b_k_to_end.to(b_v.dtype)), b_v, input_precision=DOT_PREC)
-        if STORE_DECAY:
-            tl.store(decay + ((first_chunk + i_t) * H + i_h) * K + o_k, b_decay, mask=m_decay)
-            b_decay += b_g_last
-
-    if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
-    if STORE_DECAY:
-        tl.store(decay_total + i_nh.to(tl.int64) * K + o_k, b_decay, mask=m_decay)
-
-
-@triton.jit
-def chunk_state_backward_kernel(
-    q, gk, do, dh, dht, dh0, decay,
+def chunk_state_walk_kernel(
+    x, y, gk, states, init, final, decay, decay_total,
     cu_seqlens, chunk_offsets,
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, STORE_DECAY: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+    STORE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Writes dh[chunk] = gradient of the state leaving each chunk; grid like the forward.
-    With STORE_DECAY also the log decay from the end of each chunk to the sequence end
-    (decay), written by the first V tile."""
+    """GLA's diagonal-decay recurrence over one [BK, BV] state tile, chunk by chunk; grid
+    (cdiv(V, BV), cdiv(K, BK), N * H). b is the chunk-local gate cumsum, b_last its last row.
+
+    Forward (x = k, y = v), from the sequence start: `S <- Diag(exp b_last) S + (k exp(b_last
+    - b))^T v`; states[c] is the state entering chunk c (in states' dtype), final the last.
+    REVERSE (x = q, y = do), from the sequence end: `dS <- Diag(exp b_last) dS + (scale q
+    exp(b))^T do`; states[c] is the gradient of the state leaving chunk c, final dh0.
+    init: the state (gradient) the walk starts from. With STORE_DECAY, the first V tile
+    writes the log decay from the walk's start to each stored state (decay) and, forward,
+    over the whole sequence (decay_total)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
@@ -129,34 +82,45 @@ def chunk_state_backward_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     state_offs = o_k[:, None] * V + o_v[None, :]
 
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        b_s += tl.load(init + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
     b_decay = tl.zeros([BK], dtype=tl.float32)
+    m_decay = m_k & (i_v == 0)
 
-    # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
+    # A unit-step loop even in reverse: negative-step loops are not trusted to the GPU pipeliner.
     n_steps = tl.cdiv(seq_len, BT)
-    for i_rev in range(0, n_steps):
-        i_t = n_steps - 1 - i_rev
+    for i_step in range(0, n_steps):
+        if REVERSE:
+            i_t = n_steps - 1 - i_step
+        else:
+            i_t = i_step
         if STORE_CHUNKS:
-            tl.store(dh + ((first_chunk + i_t) * H + i_h) * K * V + state_offs, b_dh, mask=m_kv)
+            tl.store(states + ((first_chunk + i_t) * H + i_h) * K * V + state_offs,
+                     b_s.to(states.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
         rows = (bos + o_t) * H + i_h
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
         b_g = tl.load(gk + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
-        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
+        b_y = tl.load(y + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0)
         last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
         b_g_last = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)
-        b_q_from_start = tl.where(m_t[:, None], b_q * tl.exp(b_g) * scale, 0)
-        b_dh = b_dh * tl.exp(b_g_last)[:, None] + tl.dot(
-            tl.trans(b_q_from_start.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        # Padded rows would see exp(b_last - 0) > 1 forward; zero them instead of trusting x == 0.
+        if REVERSE:
+            b_x_scaled = tl.where(m_t[:, None], b_x * tl.exp(b_g) * scale, 0)
+        else:
+            b_x_scaled = tl.where(m_t[:, None], b_x * tl.exp(b_g_last[None, :] - b_g), 0)
+        b_s = b_s * tl.exp(b_g_last)[:, None] + tl.dot(
+            tl.trans(b_x_scaled.to(b_y.dtype)), b_y, input_precision=DOT_PREC)
         if STORE_DECAY:
-            tl.store(decay + ((first_chunk + i_t) * H + i_h) * K + o_k, b_decay, mask=m_k & (i_v == 0))
+            tl.store(decay + ((first_chunk + i_t) * H + i_h) * K + o_k, b_decay, mask=m_decay)
             b_decay += b_g_last
 
-    if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
+    if STORE_FINAL:
+        tl.store(final + i_nh.to(tl.int64) * K * V + state_offs, b_s, mask=m_kv)
+    if STORE_DECAY and not REVERSE:
+        tl.store(decay_total + i_nh.to(tl.int64) * K + o_k, b_decay, mask=m_decay)
 
 
 def _chunk_bookkeeping(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
@@ -230,10 +194,10 @@ def chunk_fwd_h(
     BK, BV = tiles("chunk_state_forward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
-        chunk_state_forward_kernel[grid](
-            k, v, gk, h, h0, ht, *(decays or (None, None)), cu_seqlens, chunk_offsets, T,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
+        chunk_state_walk_kernel[grid](
+            k, v, gk, h, h0, ht, *(decays or (None, None)), cu_seqlens, chunk_offsets, 1.0, T,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, REVERSE=False,
+            HAS_INIT=h0 is not None, STORE_FINAL=output_final_state, STORE_CHUNKS=store_chunk_states,
             STORE_DECAY=output_decays, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(v.dtype), **launch_options("chunk_state_forward"),
         )
@@ -292,10 +256,10 @@ def chunk_bwd_dh(
     BK, BV = tiles("chunk_state_backward", K, V)
     grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)
     if N * H > 0:
-        chunk_state_backward_kernel[grid](
-            q, gk, do, dh, dht, dh0, decay, cu_seqlens, chunk_offsets, float(scale), T,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
+        chunk_state_walk_kernel[grid](
+            q, do, gk, dh, dht, dh0, decay, None, cu_seqlens, chunk_offsets, float(scale), T,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, REVERSE=True,
+            HAS_INIT=dht is not None, STORE_FINAL=need_dh0, STORE_CHUNKS=store_chunk_grads,
             STORE_DECAY=output_decays, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_precision(q.dtype), **launch_options("chunk_state_backward"),
         )
