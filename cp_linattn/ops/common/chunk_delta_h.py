@@ -27,23 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import dot_precision
+from cp_linattn.ops.common.chunk_h import dot_precision, sequence_bounds, state_tile
 from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
-
-
-@triton.jit
-def sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first token, length, index of the first chunk in the h tensors) of sequence i_n."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
-        first_chunk = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    return bos, seq_len, first_chunk
 
 
 @triton.jit
@@ -78,17 +64,9 @@ def delta_rule_fwd_h_kernel(
     has V columns, u the first U_COLS of them (the others take zero input)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    bos, seq_len, first_chunk = sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    h_offs = o_k[:, None] * V + o_v[None, :]
-    if STATE_V_FIRST:
-        state_offs = o_v[None, :] * K + o_k[:, None]
-    else:
-        state_offs = h_offs
+    o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs = state_tile(0, i_v, K, V, BK, BV, STATE_V_FIRST)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
@@ -131,17 +109,9 @@ def delta_rule_bwd_dhu_kernel(
     """Writes dh (gradient of the state leaving each chunk) and dv2; grid like the forward."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    bos, seq_len, first_chunk = sequence_span(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    h_offs = o_k[:, None] * V + o_v[None, :]
-    if STATE_V_FIRST:
-        state_offs = o_v[None, :] * K + o_k[:, None]
-    else:
-        state_offs = h_offs
+    o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs = state_tile(0, i_v, K, V, BK, BV, STATE_V_FIRST)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:

@@ -53,6 +53,23 @@ def sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARL
 
 
 @triton.jit
+def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               V_FIRST: tl.constexpr):
+    """Offsets and masks of the [BK, BV] tile (i_k, i_v) of a `[K, V]` state: (o_k, o_v, m_k,
+    m_v, m_kv, its offsets in a K-first state, its offsets in a state stored V-first if
+    V_FIRST, else K-first)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    k_first = o_k[:, None] * V + o_v[None, :]
+    if V_FIRST:
+        stored = o_v[None, :] * K + o_k[:, None]
+    else:
+        stored = k_first
+    return o_k, o_v, m_k, m_v, m_k[:, None] & m_v[None, :], k_first, stored
+
+
+@triton.jit
 def chunk_state_walk_kernel(
     x, y, gk, states, init, final, decay, decay_total,
     cu_seqlens, chunk_offsets,
@@ -76,11 +93,7 @@ def chunk_state_walk_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
 
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_k, m_v, m_kv, state_offs, _ = state_tile(i_k, i_v, K, V, BK, BV, False)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_INIT:
