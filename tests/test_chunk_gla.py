@@ -250,6 +250,23 @@ def test_add_decayed_state_skips_only_channels_decayed_to_zero():
     assert float(added[:, :, 1::3].min()) > 1e-2
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # the interpreter's 0 * nan
+def test_add_decayed_state_carries_non_finite_states_into_dead_channels():
+    """A NaN or an infinity in the incoming state reaches every row, as in the rerun the pass
+    stands for (0 * NaN and 0 * inf are NaN): a dead channel skipped there would hide it."""
+    n, H, K, V = 2, 2, 24, 40
+    x0 = torch.randn(n, H, K, V)
+    decay = torch.full((n, H, K), float("-inf"))
+    decay[:, :, 1] = -1.0
+    S = torch.randn(H, K, V)
+    S[0, 3, 5], S[1, 7, 0] = float("nan"), float("inf")
+    x = x0.clone()
+    add_decayed_state(x, decay, S)
+    rerun = (x0.double() + decay.double().exp()[..., None] * S.double()).float()
+    assert torch.equal(x.isnan(), rerun.isnan()) and x[:, 0, 3, 5].isnan().all() and x[:, 1, 7, 0].isnan().all()
+    assert torch.allclose(x.nan_to_num(), rerun.nan_to_num(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("diagonal", [True, False])
 @pytest.mark.parametrize("order", [range(1, 4), range(4, 0, -1), range(2, 3)])
 def test_fold_states_in_one_launch(order, diagonal):

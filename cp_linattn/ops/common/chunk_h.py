@@ -287,15 +287,19 @@ def add_decayed_state_kernel(
     """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), n * H).
 
     Rows whose factor exp(decay) is exactly 0 (a channel the state no longer reaches) would add
-    exact zeros: they are neither read nor written, so the pass moves only the live rows."""
+    exact zeros: they are neither read nor written, so the pass moves only the live rows of x.
+    Except where S holds a NaN or an infinity: 0 * NaN is NaN, and the rerun this pass stands
+    for would carry it, so those entries are added too (S's tile is small; it is always read)."""
     i_v, i_k, i_ch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_ch % H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    b_factor = tl.exp(tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=o_k < K, other=float("-inf")))
-    m_kv = (b_factor > 0)[:, None] & (o_v < V)[None, :]
+    m_k, m_v = o_k < K, o_v < V
+    b_factor = tl.exp(tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=m_k, other=float("-inf")))
     state_offs = o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(S + i_h * K * V + state_offs, mask=m_kv, other=0)
+    b_s = tl.load(S + i_h * K * V + state_offs, mask=m_k[:, None] & m_v[None, :], other=0)
+    # |S| < inf is false exactly for NaN and infinities.
+    m_kv = ((b_factor > 0)[:, None] | ~(tl.abs(b_s) < float("inf"))) & m_k[:, None] & m_v[None, :]
     p_x = x + i_ch.to(tl.int64) * K * V + state_offs
     b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + b_factor[:, None] * b_s
     tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
