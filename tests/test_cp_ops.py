@@ -216,6 +216,16 @@ def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
         assert segments.cu_seqlens.tolist() == cu and segments.chunk_offsets.tolist() == offsets
 
 
+@pytest.mark.parametrize("slots,programs,count", [(132, 32, 4), (132, 8, 8), (132, 64, 2), (132, 256, 1)])
+def test_fragment_segments_fill_the_sms_up_to_eight(monkeypatch, slots, programs, count):
+    """On an H200's 132 SMs: HV=16 heads of 64-column walks (32 programs) take 4 segments;
+    fewer programs stop at 8, past which the forward fold cost more than it saved."""
+    from cp_linattn.cp import state
+
+    monkeypatch.setattr(state, "_parallel_slots", lambda device: slots)
+    assert state.FragmentSegments.filling(8192, programs, torch.device("cpu")).count == count
+
+
 def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
     from cp_linattn.cp.state import CHUNK_SIZE
