@@ -126,3 +126,39 @@ def test_bench_walks_smoke_checks_every_setting(monkeypatch, capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert [(row[1], row[3]) for row in rows] == [("16", "1"), ("16", "2"), ("16", "5"),
                                                   ("32", "1"), ("32", "2"), ("32", "5")]
+
+
+def test_profile_ncu_tabulates_a_details_report():
+    """profile_ncu.py reads ncu's `--csv --page details` report (messages before its header
+    skipped, durations in any unit, numbers with thousands separators) and merges the launches
+    of one kernel: durations summed, the other metrics weighted by duration."""
+    spec = importlib.util.spec_from_file_location("profile_ncu", ROOT / "scripts" / "profile_ncu.py")
+    profile_ncu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_ncu)
+    stall = profile_ncu.STALL_METRIC.format
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def rows(launch, kernel, metrics):
+        return [f'"{launch}","1","python","h","{kernel}","1","7","(128, 1, 1)","(8, 16, 1)","0","9.0","S",'
+                f'"{name}","{unit}","{value}"' for name, unit, value in metrics]
+
+    report = "\n".join(["==PROF== Connected to process 1", head]
+                       + rows(0, "walk_kernel(int)", [("Duration", "msecond", "1.5"), ("DRAM Throughput", "%", "40"),
+                                                      ("Registers Per Thread", "register/thread", "255"),
+                                                      (stall("long_scoreboard"), "", "3"), (stall("barrier"), "", "1")])
+                       + rows(1, "small", [("Duration", "usecond", "1,000"), ("DRAM Throughput", "%", "90")])
+                       + rows(2, "walk_kernel(int)", [("Duration", "nsecond", "500,000"), ("DRAM Throughput", "%", "80"),
+                                                      ("Registers Per Thread", "register/thread", "255"),
+                                                      (stall("long_scoreboard"), "", "7"), (stall("wait"), "", "2")]))
+    launches = profile_ncu.parse_details(report)
+    assert [(d["kernel"], d["Duration"]) for d in launches] == [("walk_kernel(int)", 1500.0), ("small", 1000.0),
+                                                                ("walk_kernel(int)", 500.0)]
+    walk, small = profile_ncu.summarise(launches)
+    assert (walk["kernel"], walk["launches"], walk["us"], small["us"]) == ("walk_kernel", 2, 2000.0, 1000.0)
+    assert walk["DRAM %"] == pytest.approx((40 * 1500 + 80 * 500) / 2000) and walk["regs"] == pytest.approx(255)
+    assert walk["stalls"] == [("long_scoreboard", pytest.approx(4.0)), ("barrier", pytest.approx(0.75))]
+    table = profile_ncu.markdown("kda:ours", [walk, small])
+    assert "| walk_kernel | 2 | 2000.0 | 50 |" in table and "Total: 3.000 ms" in table
+    with pytest.raises(ValueError, match="no ncu details table"):
+        profile_ncu.parse_details("==ERROR== something failed")
