@@ -50,7 +50,7 @@ exactly what a real D-rank all-gather delivers: the incoming states are the real
 each rank's output and gradients are checked against the single-rank run of the whole
 sequence (column "max rel err"). The gates' decay rates are spread over the key channels so
 that state does cross whole ranks (with uniformly strong decay the transitions vanish and
-that check would not see them); kernel times do not depend on the values.
+that check would not see them). Each rank's local call runs on that rank's slice.
 
 Limits: communication is not timed (one GPU has none); the emulated all-gather, two device
 copies of the D small fp32 messages (a few microseconds), sits inside the pre-process
@@ -295,29 +295,28 @@ def pre_process_fns(spec: OpSpec, calls: dict[str, mock._Call]) -> tuple[Callabl
 
 
 def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors,
-               ctx: FLACPContext, local_ms: dict[int, tuple], timer: Timer) -> dict:
-    """Figures of the rank `ctx` describes; `local_ms` caches the local times (wall fwd, wall
-    fwd+bwd, kernels of fwd+bwd) by slice length."""
+               ctx: FLACPContext, timer: Timer) -> dict:
+    """Figures of the rank `ctx` describes. Its local call runs on the rank's own slice, so
+    the CP call and the local call see the same values."""
     x, do = _local_leaves(x_global, ctx), shard(do_global, ctx)
     o, calls = captured_step(spec, x, do, ctx)
     err = max([_rel_err(o, shard(ref["o"], ctx))] + [_rel_err(t.grad, shard(ref[n], ctx)) for n, t in x.items()])
-    L = ctx.local_len
-    if L not in local_ms:
-        cu_local = torch.tensor([0, L], dtype=torch.int64, device=do.device)
-        local_fwd, local_fwd_bwd = _fwd(spec, x, cu_seqlens=cu_local), _fwd_bwd(spec, x, do, cu_seqlens=cu_local)
-        local_ms[L] = timer(local_fwd), timer(local_fwd_bwd), kernel_profile(local_fwd_bwd)
+    cu_local = torch.tensor([0, ctx.local_len], dtype=torch.int64, device=do.device)
+    local_fwd_bwd = _fwd_bwd(spec, x, do, cu_seqlens=cu_local)
+    local_kernels = kernel_profile(local_fwd_bwd)
     pre_fwd, pre_bwd = pre_process_fns(spec, calls)
     cp_fwd_bwd = _fwd_bwd(spec, x, do, cp_context=ctx)
     pre_kernels = {d: kernel_profile(fn) for d, fn in (("fwd", pre_fwd), ("bwd", pre_bwd))}
     cp_kernels = kernel_profile(cp_fwd_bwd)
-    row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=L, local_fwd_ms=local_ms[L][0],
-               local_fwd_bwd_ms=local_ms[L][1], pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
+    row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=ctx.local_len,
+               local_fwd_ms=timer(_fwd(spec, x, cu_seqlens=cu_local)), local_fwd_bwd_ms=timer(local_fwd_bwd),
+               pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
                cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=timer(cp_fwd_bwd),
-               local_fwd_bwd_kernel_ms=total_ms(local_ms[L][2]),
+               local_fwd_bwd_kernel_ms=total_ms(local_kernels),
                **{f"pre_{d}_kernel_ms": total_ms(k) for d, k in pre_kernels.items()},
                **{f"pre_{d}_kernels": k for d, k in pre_kernels.items()},
                cp_fwd_bwd_kernel_ms=total_ms(cp_kernels), max_rel_err=err,
-               cp_excess_kernels=None if cp_kernels is None else kernel_excess(cp_kernels, local_ms[L][2]))
+               cp_excess_kernels=None if cp_kernels is None else kernel_excess(cp_kernels, local_kernels))
     row["overhead_pct"] = 100 * (row["pre_fwd_ms"] + row["pre_bwd_ms"]) / row["local_fwd_bwd_ms"]
     row["cp_excess_pct"] = 100 * (row["cp_fwd_bwd_ms"] / row["local_fwd_bwd_ms"] - 1)
     if row["local_fwd_bwd_kernel_ms"] is not None:
@@ -331,7 +330,6 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
 def bench_degree(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors, D: int,
                  timer: Timer) -> list[dict]:
     cu_global = torch.tensor([0, do_global.shape[1]], dtype=torch.int64, device=do_global.device)
-    local_ms: dict[int, tuple] = {}
     rows = []
     with mock.patch.object(cp_comm, "_all_gather_flat", EmulatedAllGather()):
         # Pass 1: every rank sends its messages once (and the kernels compile).
@@ -342,8 +340,7 @@ def bench_degree(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Te
         # Pass 2: every gather now returns all ranks' true messages.
         for r in range(D):
             with emulated_rank(r, D):
-                rows.append(bench_rank(name, spec, x_global, do_global, ref, build_cp_context(cu_global), local_ms,
-                                       timer))
+                rows.append(bench_rank(name, spec, x_global, do_global, ref, build_cp_context(cu_global), timer))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
