@@ -27,10 +27,10 @@ from collections import defaultdict
 from pathlib import Path
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats")
-STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "mio_throttle", "lg_throttle", "math_pipe_throttle",
-          "wait", "not_selected", "dispatch_stall", "no_instruction", "branch_resolving", "membar", "drain",
-          "imc_miss", "tex_throttle", "sleeping", "misc")
-STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+# Every warp-stall reason the GPU counts, as cycles per issued instruction; a regex, so that
+# no reason's name has to be known (they differ between architectures).
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+STALL_METRICS = f"regex:^{STALL_PREFIX}.*{STALL_SUFFIX.replace('.', '[.]')}$"
 # (column, ncu metric name) of the table; the stall columns come after.
 COLUMNS = (("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("memory %", "Memory Throughput"),
            ("SM %", "Compute (SM) Throughput"), ("regs", "Registers Per Thread"),
@@ -39,9 +39,8 @@ TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
 
 
 def ncu_command(ncu: str, op: str, lib: str, T: int, report: Path) -> list[str]:
-    metrics = ",".join(STALL_METRIC.format(s) for s in STALLS)
     sections = [arg for s in SECTIONS for arg in ("--section", s)]
-    return [ncu, "--profile-from-start", "off", "--clock-control", "none", *sections, "--metrics", metrics,
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", *sections, "--metrics", STALL_METRICS,
             "--csv", "--page", "details", "--log-file", str(report),
             sys.executable, __file__, "--child", f"{op}:{lib}", "--T", str(T)]
 
@@ -113,8 +112,10 @@ def summarise(launches: list[dict]) -> list[dict]:
         for column, metric in COLUMNS[1:]:
             pairs = [(g.get(metric), g.get("Duration") or 0.0) for g in group if g.get(metric) is not None]
             row[column] = sum(v * w for v, w in pairs) / total if pairs and total else None
-        stalls = {s: sum((g.get(STALL_METRIC.format(s)) or 0.0) * (g.get("Duration") or 0.0) for g in group) / total
-                  for s in STALLS} if total else {}
+        names = {m for g in group for m in g if m.startswith(STALL_PREFIX) and m.endswith(STALL_SUFFIX)}
+        stalls = {m[len(STALL_PREFIX):-len(STALL_SUFFIX)]: sum((g.get(m) or 0.0) * (g.get("Duration") or 0.0)
+                                                               for g in group) / total
+                  for m in names} if total else {}
         row["stalls"] = sorted(((s, v) for s, v in stalls.items() if v), key=lambda sv: -sv[1])[:2]
         rows.append(row)
     return sorted(rows, key=lambda r: -r["us"])

@@ -135,7 +135,9 @@ def test_profile_ncu_tabulates_a_details_report():
     spec = importlib.util.spec_from_file_location("profile_ncu", ROOT / "scripts" / "profile_ncu.py")
     profile_ncu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_ncu)
-    stall = profile_ncu.STALL_METRIC.format
+    def stall(reason):
+        return f"{profile_ncu.STALL_PREFIX}{reason}{profile_ncu.STALL_SUFFIX}"
+
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
