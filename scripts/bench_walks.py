@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--T", type=int, default=8192, help="fragment tokens (default 8192; --smoke 300)")
     p.add_argument("--HV", type=int, nargs="+", default=[16, 4], help="value heads (default 16 4; --smoke 2)")
     p.add_argument("--BV", type=int, nargs="+", default=[16, 32, 64],
-                   help="column tiles (default 16 32 64; at most 8192 // K: the fp32 state's register budget)")
+                   help="column tiles (default 16 32 64; at most 2048 * warps // K: the fp32 state's register budget)")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps (default 4 8)")
     p.add_argument("--segments", type=int, nargs="+", default=[1, 2, 4, 8], help="segment counts S")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, no timing (CPU: TRITON_INTERPRET=1)")

@@ -226,6 +226,17 @@ def test_fragment_segments_fill_the_sms_up_to_eight(monkeypatch, slots, programs
     assert state.FragmentSegments.filling(8192, programs, torch.device("cpu")).count == count
 
 
+@pytest.mark.parametrize("warps,BV", [(4, 64), (8, 128), (2, 32)])
+def test_state_tiles_grow_with_the_warps(monkeypatch, warps, BV):
+    """A delta-rule state tile keeps to 64 fp32 registers per thread: at K=128 a 128-column
+    cap gives 64 columns at 4 warps, all 128 at 8."""
+    from cp_linattn.ops.common.chunk_delta_h import delta_state_block_sizes
+    from cp_linattn.ops.launch import LAUNCH
+
+    monkeypatch.setitem(LAUNCH, "fragment_grad_walk", dict(LAUNCH["fragment_grad_walk"], BV=128, num_warps=warps))
+    assert delta_state_block_sizes("fragment_grad_walk", 128, 128) == (128, BV)
+
+
 def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
     from cp_linattn.cp.state import CHUNK_SIZE
