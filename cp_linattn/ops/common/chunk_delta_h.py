@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import dot_precision, sequence_bounds, state_tile
+from cp_linattn.ops.common.chunk_h import dot_precision, sequence_bounds, sequences_and_chunks, state_tile
 from cp_linattn.ops.launch import launch_options, tile
-from cp_linattn.ops.utils import check_tensor, prepare_chunk_offsets
+from cp_linattn.ops.utils import check_tensor
 
 
 @triton.jit
@@ -155,22 +155,6 @@ def delta_state_block_sizes(kernel: str, K: int, V: int) -> tuple[int, int]:
     return BK, min(tile(kernel, "BV", V), max(16, state_elements // BK))
 
 
-def _sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size, count_chunks: bool):
-    """(N, total chunks, chunk_offsets) of a [B, T, ...] batch or a packed one. The chunk
-    count of a packed batch is only read (from chunk_indices, or from the device) when
-    `count_chunks`, i.e. when per-chunk tensors are allocated: the CP pre-process, which
-    stores none, passes device offsets and must not wait for the device."""
-    B, T = x.shape[:2]
-    if cu_seqlens is None:
-        return B, B * triton.cdiv(T, chunk_size), None
-    if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-    n_chunks = None
-    if count_chunks:
-        n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
-    return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
-
-
 def chunk_delta_rule_fwd_h(
     kg: torch.Tensor,
     w: torch.Tensor,
@@ -218,14 +202,14 @@ def chunk_delta_rule_fwd_h(
     check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
     check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
     check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
-    N, NT, chunk_offsets = _sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+    N, NT, chunk_offsets = sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                  store_chunk_states)
     if initial_state is not None:
         check_tensor("initial_state", initial_state,
                      shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=kg.device)
         initial_state = initial_state.contiguous()
     kg, w, u, gk = kg.contiguous(), w.to(kg.dtype).contiguous(), u.contiguous(), gk.contiguous()
-    h = kg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_states else None
+    h = kg.new_empty(B, NT, HV, K, V, dtype=torch.float32) if store_chunk_states else None
     v_new = u.new_empty(B, T, HV, V) if store_chunk_states else None
     final_state = None
     if output_final_state:
@@ -287,14 +271,14 @@ def chunk_delta_rule_bwd_dhu(
         check_tensor(name, x, shape=(B, T, HV, K), device=qg.device)
     check_tensor("do", do, shape=(B, T, HV, None), device=qg.device)
     check_tensor("dv", dv, shape=(B, T, HV, V), device=qg.device)
-    N, NT, chunk_offsets = _sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+    N, NT, chunk_offsets = sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                  store_chunk_grads)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=qg.device)
         dht = dht.contiguous()
     qg, kg, w = qg.contiguous(), kg.to(qg.dtype).contiguous(), w.to(qg.dtype).contiguous()
     gk, do, dv = gk.float().contiguous(), do.contiguous(), dv.contiguous()
-    dh = qg.new_empty(B, NT // B, HV, K, V, dtype=torch.float32) if store_chunk_grads else None
+    dh = qg.new_empty(B, NT, HV, K, V, dtype=torch.float32) if store_chunk_grads else None
     dv2 = torch.empty_like(dv, dtype=qg.dtype) if store_chunk_grads else None
     dh0 = None
     if need_dh0:

@@ -136,16 +136,20 @@ def chunk_state_walk_kernel(
         tl.store(decay_total + i_nh.to(tl.int64) * K + o_k, b_decay, mask=m_decay)
 
 
-def _chunk_bookkeeping(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size):
+def sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size, count_chunks: bool):
+    """(N sequences, chunks per batch row, chunk_offsets) of a [B, T, ...] batch or a packed
+    one (B == 1). The chunk count of a packed batch is only read (from chunk_indices, or from
+    the device) when `count_chunks`, i.e. when per-chunk tensors are allocated (else None):
+    the CP pre-process, which stores none, passes device offsets and must not wait for the
+    device."""
     B, T = x.shape[:2]
     if cu_seqlens is None:
         return B, triton.cdiv(T, chunk_size), None
     if chunk_offsets is None:
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-    if chunk_indices is not None:
-        n_chunks = chunk_indices.shape[0]
-    else:
-        n_chunks = int(chunk_offsets[-1])
+    n_chunks = None
+    if count_chunks:
+        n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
     return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
 
 
@@ -195,7 +199,8 @@ def chunk_fwd_h(
     check_tensor("v", v, shape=(B, T, H, None), device=k.device)
     check_tensor("gk", gk, shape=(B, T, H, K), device=k.device, dtypes=(torch.float32,))
     check_option("states_dtype", states_dtype, (torch.float32, torch.float16, torch.bfloat16))
-    N, NT, chunk_offsets = _chunk_bookkeeping(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    N, NT, chunk_offsets = sequences_and_chunks(k, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+                                                store_chunk_states or output_decays)
     if h0 is not None:
         check_tensor("h0", h0, shape=(N, H, K, V), device=k.device)
     k, v, gk = k.contiguous(), v.contiguous(), gk.contiguous()
@@ -257,7 +262,8 @@ def chunk_bwd_dh(
     V = do.shape[-1]
     check_tensor("do", do, shape=(B, T, H, None), device=q.device)
     check_tensor("gk", gk, shape=(B, T, H, K), device=q.device, dtypes=(torch.float32,))
-    N, NT, chunk_offsets = _chunk_bookkeeping(q, cu_seqlens, chunk_indices, chunk_offsets, chunk_size)
+    N, NT, chunk_offsets = sequences_and_chunks(q, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+                                                store_chunk_grads or output_decays)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, H, K, V), device=q.device)
     q, gk = q.contiguous(), gk.contiguous()
