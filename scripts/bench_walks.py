@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
                     b = lambda: walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
                                                    0.088, segments)
                     times = tuple(f"{do_bench(fn, warmup=5, rep=30) * 1e3:.1f}" for fn in (f, b))
-                BV = delta_state_block_sizes(WALK_KERNELS[1], K, V)[1]  # as capped by the launcher
-                print(f"| {HV} | {BV} | {warps} | {segments.count} | {times[0]} | {times[1]} | {diff:.1e} |",
+                tile = delta_state_block_sizes(WALK_KERNELS[1], K, V)[1]  # BV as capped by the launcher
+                print(f"| {HV} | {tile} | {warps} | {segments.count} | {times[0]} | {times[1]} | {diff:.1e} |",
                       flush=True)
                 if not diff <= tol:
-                    raise SystemExit(f"HV={HV} BV={BV} warps={warps} S={segments.count}: "
+                    raise SystemExit(f"HV={HV} BV={tile} warps={warps} S={segments.count}: "
                                      f"messages differ by {diff:.1e} > {tol}")
     finally:
         for name in WALK_KERNELS:
