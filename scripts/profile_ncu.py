@@ -88,6 +88,11 @@ def parse_details(text: str) -> list[dict]:
         if not row.get("ID") or row.get("Metric Name") is None:
             continue
         launch = launches.setdefault(row["ID"], {"kernel": row["Kernel Name"]})
+        if row["Metric Name"] in launch:
+            # A later section's metric of the same name is another quantity (Memory Workload
+            # Analysis's "Memory Throughput" is in byte/s); the table's come first, from
+            # Speed Of Light.
+            continue
         value = _number(row["Metric Value"])
         if value is not None and row["Metric Name"] == "Duration":
             value *= TO_US.get(row.get("Metric Unit", "").strip(), float("nan"))

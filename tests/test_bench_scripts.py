@@ -130,8 +130,8 @@ def test_bench_walks_smoke_checks_every_setting(monkeypatch, capsys):
 
 def test_profile_ncu_tabulates_a_details_report():
     """profile_ncu.py reads ncu's `--csv --page details` report (messages before its header
-    skipped, durations in any unit, numbers with thousands separators) and merges the launches
-    of one kernel: durations summed, the other metrics weighted by duration."""
+    skipped, durations in any unit, numbers with thousands separators, a later section's metric
+    of the same name ignored) and merges the launches of one kernel: durations summed, the other metrics weighted by duration."""
     spec = importlib.util.spec_from_file_location("profile_ncu", ROOT / "scripts" / "profile_ncu.py")
     profile_ncu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_ncu)
@@ -149,13 +149,16 @@ def test_profile_ncu_tabulates_a_details_report():
                        + rows(0, "walk_kernel(int)", [("Duration", "msecond", "1.5"), ("DRAM Throughput", "%", "40"),
                                                       ("Registers Per Thread", "register/thread", "255"),
                                                       (stall("long_scoreboard"), "", "3"), (stall("barrier"), "", "1")])
-                       + rows(1, "small", [("Duration", "usecond", "1,000"), ("DRAM Throughput", "%", "90")])
+                       + rows(1, "small", [("Duration", "usecond", "1,000"), ("DRAM Throughput", "%", "90"),
+                                           ("Memory Throughput", "%", "91"),
+                                           ("Memory Throughput", "byte/s", "1,166,078,569,147.24")])
                        + rows(2, "walk_kernel(int)", [("Duration", "nsecond", "500,000"), ("DRAM Throughput", "%", "80"),
                                                       ("Registers Per Thread", "register/thread", "255"),
                                                       (stall("long_scoreboard"), "", "7"), (stall("wait"), "", "2")]))
     launches = profile_ncu.parse_details(report)
     assert [(d["kernel"], d["Duration"]) for d in launches] == [("walk_kernel(int)", 1500.0), ("small", 1000.0),
                                                                 ("walk_kernel(int)", 500.0)]
+    assert launches[1]["Memory Throughput"] == 91.0  # Memory Workload Analysis's byte/s twin is skipped
     walk, small = profile_ncu.summarise(launches)
     assert (walk["kernel"], walk["launches"], walk["us"], small["us"]) == ("walk_kernel", 2, 2000.0, 1000.0)
     assert walk["DRAM %"] == pytest.approx((40 * 1500 + 80 * 500) / 2000) and walk["regs"] == pytest.approx(255)
