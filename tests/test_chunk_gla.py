@@ -290,6 +290,30 @@ def test_fold_states_in_one_launch(order, diagonal):
         fold_states(states, transitions, range(3, 6))
     with pytest.raises(ValueError, match=r"^transitions must have shape"):
         fold_states(states, transitions[:, :, :4], order)
+    with pytest.raises(ValueError, match=r"^input_columns must be in \[0, 24\]"):
+        fold_states(states, transitions, order, transpose, input_columns=25)
+
+
+@pytest.mark.parametrize("order", [range(0, 4), range(3, -1, -1)])
+def test_fold_states_of_segment_walks(order):
+    """How the KDA middle-rank walk folds its segments: transitions read in place from the
+    walk's final states `[D, H, K, V + K]` (rows of K strided by V + K), and past the first
+    term only the first V columns are inputs (the others hold each segment's own map)."""
+    D, H, K, V = 4, 2, 16, 24
+    walked = torch.randn(D, H, K, V + K)
+    walked[..., V:] *= K ** -0.5
+    transitions = walked[..., V:]
+    transpose = order.step < 0
+    ref = torch.zeros(H, K, V + K)
+    for i, j in enumerate(order):
+        M = transitions[j].transpose(-1, -2) if transpose else transitions[j]
+        x = walked[j].clone()
+        if i:
+            x[..., V:] = 0
+        ref = M @ ref + x
+    got = fold_states(walked, transitions, order, transpose, input_columns=V)
+    assert not transitions.is_contiguous()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def _args(**over):

@@ -287,8 +287,16 @@ def test_delta_rule_transition_composes():
                                         state_columns=64)
     assert torch.allclose(both[..., :32], s_ext, rtol=0, atol=1e-6) and torch.allclose(both[..., 32:], M, rtol=0,
                                                                                            atol=1e-6)
+    # identity_tail: the same walk with [0, I] made in-kernel.
+    _, _, same = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], None, True, store_chunk_states=False,
+                                        state_columns=64, identity_tail=True)
+    assert torch.equal(same, both)
     with pytest.raises(ValueError, match=r"^state_columns must be at least"):
         chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], None, True, state_columns=16)
+    for columns, h0_ in ((48, None), (64, h0)):
+        with pytest.raises(ValueError, match=r"^identity_tail needs state_columns = u's width \+ K = 64"):
+            chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], h0_, True, state_columns=columns,
+                                   identity_tail=True)
 
 
 def test_delta_rule_state_columns_beyond_u():

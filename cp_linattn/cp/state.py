@@ -396,14 +396,16 @@ def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.
             (starts * per_segment).clamp_(max=n_chunks))
 
 
-def _fold_segments(states: torch.Tensor, transitions: torch.Tensor | None, reverse: bool) -> torch.Tensor:
+def _fold_segments(states: torch.Tensor, transitions: torch.Tensor | None, reverse: bool,
+                   input_columns: int | None = None) -> torch.Tensor:
     """The fold of per-segment results `[S, H, K, C]` into the fragment's `[H, K, C]`:
-    forward over the segments, or backward with transposed transitions (None for S = 1)."""
+    forward over the segments, or backward with transposed transitions (None for S = 1);
+    `input_columns` as in `fold_states`."""
     S = states.shape[0]
     if S == 1:
         return states[0]
     order = range(S - 1, -1, -1) if reverse else range(S)
-    return fold_states(states, transitions, order, transpose=reverse)
+    return fold_states(states, transitions, order, transpose=reverse, input_columns=input_columns)
 
 
 def walk_fragment_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: torch.Tensor,
@@ -413,20 +415,18 @@ def walk_fragment_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: 
 
     The recurrence is linear in the state, so one walk of the delta-rule state kernel on
     `[u, 0]` from `[0, I]` yields `[S_ext, M]`; per segment, then folded. Keeps the segments'
-    transitions in `segments` for `walk_fragment_grad`.
+    transitions in `segments` for `walk_fragment_grad` (views of the walk's final states).
     """
-    HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
-    h0 = kg.new_zeros(segments.count, HV, K, V + K, dtype=torch.float32)
-    h0[..., V:] = torch.eye(K, device=kg.device)
-    _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, h0, True, cu_seqlens=segments.cu_seqlens,
+    K, V = kg.shape[3], u.shape[3]
+    _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, None, True, cu_seqlens=segments.cu_seqlens,
                                       chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
-                                      store_chunk_states=False, state_columns=V + K, launch="fragment_state_walk")
+                                      store_chunk_states=False, state_columns=V + K, identity_tail=True,
+                                      launch="fragment_state_walk")
     if segments.count > 1:
-        segments.transitions = ht[..., V:].clone()
-        # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its
-        # identity start is the map, not an input.
-        ht[1:, ..., V:] = 0
-    SM = _fold_segments(ht, segments.transitions, reverse=False)
+        segments.transitions = ht[..., V:]
+    # Segment s > 0 maps the fold's [S_ext, M] to M_s [S_ext, M] + [S_ext_s, 0]: its identity
+    # start is the map, not an input, so only its first V columns enter the fold.
+    SM = _fold_segments(ht, segments.transitions, reverse=False, input_columns=V)
     return SM[..., :V], SM[..., V:]
 
 

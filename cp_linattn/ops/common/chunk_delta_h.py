@@ -58,10 +58,11 @@ def delta_rule_fwd_h_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, U_COLS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, U_COLS: tl.constexpr, IDENTITY_TAIL: tl.constexpr,
 ):
     """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV). The state
-    has V columns, u the first U_COLS of them (the others take zero input)."""
+    has V columns, u the first U_COLS of them (the others take zero input); with
+    IDENTITY_TAIL the state starts from `[0, I]` (the K columns from U_COLS on, the identity)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
@@ -71,6 +72,8 @@ def delta_rule_fwd_h_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    if IDENTITY_TAIL:
+        b_h = tl.where(o_k[:, None] == o_v[None, :] - U_COLS, 1.0, b_h)
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
@@ -169,6 +172,7 @@ def chunk_delta_rule_fwd_h(
     state_v_first: bool = False,
     store_chunk_states: bool = True,
     state_columns: int | None = None,
+    identity_tail: bool = False,
     launch: str = "delta_rule_fwd_h",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
@@ -186,6 +190,9 @@ def chunk_delta_rule_fwd_h(
         state_columns: the state's columns V (default: u's); u then feeds the first u's-width
             of them and the others take zero input: the CP pre-process walks `[u, 0]` from
             `[0, I]`, a fragment's state and its transition at once, without building `[u, 0]`.
+        identity_tail: start every sequence from `[0, I]` (needs `state_columns` = u's width
+            + K and no initial_state): the final state's last K columns are then the
+            sequence's K x K transition, with no `[0, I]` built in memory.
         launch: the `cp_linattn.ops.launch.LAUNCH` entry of the launch settings.
 
     Returns (V: `state_columns`):
@@ -202,6 +209,9 @@ def chunk_delta_rule_fwd_h(
     check_tensor("w", w, shape=(B, T, HV, K), device=kg.device)
     check_tensor("u", u, shape=(B, T, HV, None), device=kg.device)
     check_tensor("gk", gk, shape=(B, T, HV, K), device=kg.device, dtypes=(torch.float32,))
+    if identity_tail and (V - U != K or initial_state is not None):
+        raise ValueError(f"identity_tail needs state_columns = u's width + K = {U + K} (got {V}) and no "
+                         f"initial_state (got {'one' if initial_state is not None else 'none'})")
     N, NT, chunk_offsets = sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                  store_chunk_states)
     if initial_state is not None:
@@ -221,7 +231,7 @@ def chunk_delta_rule_fwd_h(
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
             STATE_V_FIRST=state_v_first,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype), U_COLS=U,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype), U_COLS=U, IDENTITY_TAIL=identity_tail,
             **launch_options(launch),
         )
     return h, v_new, final_state

@@ -335,13 +335,15 @@ def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> 
 
 @triton.jit
 def fold_states_kernel(
-    states, transitions, out, first, step, n, stride_state, stride_transition,
+    states, transitions, out, first, step, n, stride_state, stride_m, stride_m_head, stride_m_row, input_columns,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DIAGONAL: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """out = the fold `S = M_j S + S_j` from S = 0 over j = first, first + step, ... (n terms)
     for one [K, BV] column tile (BK: K padded to a power of two); M_j diagonal `[H, K]` if
-    DIAGONAL, else `[H, K, K]` (M_j^T if TRANSPOSE). Grid (cdiv(V, BV), H)."""
+    DIAGONAL, else `[H, K, K]` (M_j^T if TRANSPOSE), rows strided. Only the first
+    `input_columns` columns of S_j are read after the first term (the others are zero).
+    Grid (cdiv(V, BV), H)."""
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -349,33 +351,40 @@ def fold_states_kernel(
     m_kv = m_k[:, None] & (o_v < V)[None, :]
     state_offs = (i_h * K + o_k[:, None]) * V + o_v[None, :]
     if TRANSPOSE:
-        m_offs = (i_h * K + o_k[None, :]) * K + o_k[:, None]
+        m_offs = i_h * stride_m_head + o_k[None, :] * stride_m_row + o_k[:, None]
     else:
-        m_offs = (i_h * K + o_k[:, None]) * K + o_k[None, :]
+        m_offs = i_h * stride_m_head + o_k[:, None] * stride_m_row + o_k[None, :]
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(n):
         j = (first + i * step).to(tl.int64)
-        b_x = tl.load(states + j * stride_state + state_offs, mask=m_kv, other=0)
+        m_x = m_kv & ((o_v < input_columns) | (i == 0))[None, :]
+        b_x = tl.load(states + j * stride_state + state_offs, mask=m_x, other=0)
         if DIAGONAL:
-            b_m = tl.load(transitions + j * stride_transition + i_h * K + o_k, mask=m_k, other=0)
+            b_m = tl.load(transitions + j * stride_m + i_h * stride_m_head + o_k, mask=m_k, other=0)
             b_s = b_m[:, None] * b_s + b_x
         else:
-            b_m = tl.load(transitions + j * stride_transition + m_offs, mask=m_k[:, None] & m_k[None, :], other=0)
+            b_m = tl.load(transitions + j * stride_m + m_offs, mask=m_k[:, None] & m_k[None, :], other=0)
             # Three tf32 passes: fp32-accurate, as the states exchanged between ranks stay fp32.
             b_s = tl.dot(b_m, b_s, input_precision="tf32x3") + b_x
     tl.store(out + state_offs, b_s, mask=m_kv)
 
 
-def fold_states(states: torch.Tensor, transitions: torch.Tensor, order: range, transpose: bool = False
-                ) -> torch.Tensor:
+def fold_states(states: torch.Tensor, transitions: torch.Tensor, order: range, transpose: bool = False,
+                input_columns: int | None = None) -> torch.Tensor:
     """`S = 0; for j in order: S = M_j S + S_j` in one launch: the merge of the boundary states
     of context-parallel ranks, instead of two launches per rank.
 
     Args:
-        states: fp32 `[D, H, K, V]`; transitions: fp32 `[D, H, K]` (diagonal, GLA) or
-            `[D, H, K, K]` (KDA; `M_j^T` with `transpose`). Rows may be strided, as the rows
-            of an all-gathered table; each row contiguous.
+        states: fp32 `[D, H, K, V]`, rows may be strided (as the rows of an all-gathered
+            table), each row contiguous.
+        transitions: fp32 `[D, H, K]` (diagonal, GLA) or `[D, H, K, K]` (KDA; `M_j^T` with
+            `transpose`); any strides but a contiguous last dim (a view of the walk's final
+            states is read in place).
         order: the rows to fold, in order (a `range`, ascending or descending, within [0, D)).
+        input_columns: after the first term, only S_j's first `input_columns` columns are
+            inputs, the others read as zero (default: all V). The walk of a fragment's
+            segments carries each segment's transition in its last K columns, where it is
+            the map of that segment, not an input of the fold.
 
     Returns: fp32 `[H, K, V]`.
     """
@@ -388,12 +397,15 @@ def fold_states(states: torch.Tensor, transitions: torch.Tensor, order: range, t
         raise ValueError(f"order must index the {D} rows of states, got {order}")
     if states.stride()[1:] != (K * V, V, 1):
         states = states.contiguous()
-    if transitions.stride()[1:] != ((K, 1) if diagonal else (K * K, K, 1)):
+    if input_columns is not None and not 0 <= input_columns <= V:
+        raise ValueError(f"input_columns must be in [0, {V}] (the states' columns), got {input_columns}")
+    if transitions.stride(-1) != 1:
         transitions = transitions.contiguous()
     out = states.new_empty(H, K, V)
     BV = tile("fold_states", "BV", V)
     fold_states_kernel[(triton.cdiv(V, BV), H)](
-        states, transitions, out, order.start, order.step, len(order), states.stride(0), transitions.stride(0),
+        states, transitions, out, order.start, order.step, len(order), states.stride(0), *transitions.stride()[:2],
+        transitions.stride(2) if not diagonal else 0, V if input_columns is None else input_columns,
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, DIAGONAL=diagonal, TRANSPOSE=transpose,
         **launch_options("fold_states"))
     return out
