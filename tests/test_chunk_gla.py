@@ -250,6 +250,22 @@ def test_add_decayed_state_skips_only_channels_decayed_to_zero():
     assert float(added[:, :, 1::3].min()) > 1e-2
 
 
+@pytest.mark.parametrize("n", [1, 8, 19])
+def test_add_decayed_state_blocks_of_chunks(n):
+    """Programs of BC chunks (8) share one read of the state tile: every chunk of a last,
+    partial block is corrected, each with its own heads' decay, in x's dtype (bf16 here, as
+    GLA's stored states), and nothing past the n chunks is written."""
+    H, K, V = 3, 24, 40
+    buffer = torch.randn(n + 2, H, K, V).to(torch.bfloat16)
+    x0 = buffer.clone()
+    decay = -torch.rand(n, H, K) * 3
+    S = torch.randn(H, K, V)
+    add_decayed_state(buffer[:n], decay, S)
+    ref = x0[:n].float() + decay.exp()[..., None] * S
+    assert torch.allclose(buffer[:n].float(), ref, rtol=2 ** -7, atol=1e-6)  # within one bf16 ulp
+    assert torch.equal(buffer[n:], x0[n:])
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # the interpreter's 0 * nan
 def test_add_decayed_state_carries_non_finite_states_into_dead_channels():
     """A NaN or an infinity in the incoming state reaches every row, as in the rerun the pass

@@ -3,7 +3,7 @@
 One table, keyed by kernel, so that `scripts/tune_launch.py` can sweep the values on a GPU
 without touching the kernels, and so that the values in use are visible in one place. The
 figures are the ones measured best on an H200 (bf16, H=16, K=V=128, T=32768; see
-BENCHMARKS.md). `BK`/`BV` are upper bounds: a launcher uses
+BENCHMARKS.md). `BK`/`BV` are upper bounds (`BC`: chunks per program): a launcher uses
 `min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs it). The Triton
 interpreter ignores warps and stages, so the CPU tests run the same tiles as the GPU.
 """
@@ -16,8 +16,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # value tiles give more programs, which is what hides the per-chunk latency.
     "chunk_state_forward": dict(BK=32, BV=32, num_warps=4, num_stages=3),
     "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
-    # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP.
-    "add_decayed_state": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP. BC
+    # chunks per program share one read of the fp32 state tile, which read once per chunk
+    # moved more bytes than the bf16 states it corrects.
+    "add_decayed_state": dict(BK=64, BV=64, BC=8, num_warps=4, num_stages=2),
     # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot).
     "fold_states": dict(BV=16, num_warps=8, num_stages=1),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
@@ -43,11 +45,15 @@ LAUNCH: dict[str, dict[str, int]] = {
     "kda_bwd_wy_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
     "kda_bwd_intra": dict(BK=64, num_warps=2, num_stages=1),
     "kda_bwd_intra_wide": dict(BK=64, num_warps=2, num_stages=1),
-    "fused_chunk_gla_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
-    "fused_chunk_gla_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    # Sequential walks whose parallelism comes from cutting the sequence into segments
+    # (fused_chunk.segment_count, sized from the forward's tiles): wide tiles read each
+    # chunk's inputs fewer times (H100, T=32768: fwd 6.5 -> 1.35 ms, fwd+bwd 33.5 -> 11.9 ms
+    # against 64x64 tiles walked unsegmented).
+    "fused_chunk_gla_fwd": dict(BK=128, BV=128, num_warps=4, num_stages=2),
+    "fused_chunk_gla_bwd": dict(BK=64, BV=128, num_warps=4, num_stages=2),
 }
 
-_BLOCK_KEYS = ("BK", "BV")
+_BLOCK_KEYS = ("BK", "BV", "BC")
 
 
 def launch_options(kernel: str) -> dict[str, int]:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import launch_options, tile, tiles
+from cp_linattn.ops.launch import LAUNCH, launch_options, tile, tiles
 from cp_linattn.ops.utils import check_option, check_tensor, prepare_chunk_offsets
 
 
@@ -287,28 +287,33 @@ def chunk_bwd_dh(
 
 @triton.jit
 def add_decayed_state_kernel(
-    x, decay, S,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    x, decay, S, n,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
 ):
-    """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile; grid (cdiv(V, BV), cdiv(K, BK), n * H).
+    """x[c, h] += Diag(exp decay[c, h]) S[h] for one [BK, BV] tile of BC chunks c; grid
+    (cdiv(V, BV), cdiv(K, BK), cdiv(n, BC) * H).
 
     Rows whose factor exp(decay) is exactly 0 (a channel the state no longer reaches) would add
     exact zeros: they are neither read nor written, so the pass moves only the live rows of x.
     Except where S holds a NaN or an infinity: 0 * NaN is NaN, and the rerun this pass stands
-    for would carry it, so those entries are added too (S's tile is small; it is always read)."""
+    for would carry it, so those entries are added too."""
     i_v, i_k, i_ch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_ch % H
+    i_h, i_cb = i_ch % H, i_ch // H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    b_factor = tl.exp(tl.load(decay + i_ch.to(tl.int64) * K + o_k, mask=m_k, other=float("-inf")))
     state_offs = o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(S + i_h * K * V + state_offs, mask=m_k[:, None] & m_v[None, :], other=0)
     # |S| < inf is false exactly for NaN and infinities.
-    m_kv = ((b_factor > 0)[:, None] | ~(tl.abs(b_s) < float("inf"))) & m_k[:, None] & m_v[None, :]
-    p_x = x + i_ch.to(tl.int64) * K * V + state_offs
-    b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + b_factor[:, None] * b_s
-    tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
+    m_s = ~(tl.abs(b_s) < float("inf")) & m_k[:, None] & m_v[None, :]
+    for j in range(BC):
+        c = (i_cb * BC + j).to(tl.int64)
+        m_c = c < n
+        b_factor = tl.exp(tl.load(decay + (c * H + i_h) * K + o_k, mask=m_k & m_c, other=float("-inf")))
+        m_kv = ((b_factor > 0)[:, None] & m_k[:, None] & m_v[None, :] | m_s) & m_c
+        p_x = x + (c * H + i_h) * K * V + state_offs
+        b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + b_factor[:, None] * b_s
+        tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
 
 
 def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> None:
@@ -327,9 +332,10 @@ def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> 
     if not x.is_contiguous():
         raise ValueError("x must be contiguous (it is updated in place)")
     BK, BV = tiles("add_decayed_state", K, V)
+    BC = LAUNCH["add_decayed_state"]["BC"]
     if n * H > 0:
-        add_decayed_state_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), n * H)](
-            x, decay.contiguous(), S.contiguous(), H=H, K=K, V=V, BK=BK, BV=BV,
+        add_decayed_state_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), triton.cdiv(n, BC) * H)](
+            x, decay.contiguous(), S.contiguous(), n, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
             **launch_options("add_decayed_state"))
 
 
