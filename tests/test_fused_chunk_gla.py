@@ -8,13 +8,16 @@ skip without CUDA.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cp_linattn.ops.gla import fused_chunk
 from cp_linattn.ops.gla.fused_chunk import fused_chunk_gla
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from tests.conftest import diagonal_block_spans, requires_cuda
+from tests.conftest import diagonal_block_spans, requires_cuda, set_tile_caps
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dh0")
 
@@ -185,6 +188,110 @@ def test_frozen_initial_state_and_gate():
     assert inp["g"].grad is None and inp["h0"].grad is None
     got = {"o": o, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     assert_matches(got, {n: ref[n] for n in got})
+
+
+SEGMENT_CASES = [
+    # head_first, B, T, H, K, V, count, use_h0, output_final_state, use_dht, gate
+    # 7 chunks as 3 + 3 + 1, the last one partial.
+    pytest.param(True, 2, 100, 1, 32, 32, 3, True, True, True, "logsigmoid", id="hf-B2-T100-S3"),
+    # 10 chunks as 3 + 3 + 3 + 1; no initial state, no final-state gradient.
+    pytest.param(False, 2, 150, 2, 32, 32, 4, False, True, False, "logsigmoid", id="thd-B2-T150-S4-no-h0"),
+    # Several K and V blocks; 6 chunks as 2 + 2 + 2, the last chunk partial; no final state.
+    pytest.param(True, 1, 90, 1, 80, 100, 3, True, False, False, "logsigmoid", id="hf-T90-K80-V100-S3"),
+    pytest.param(False, 1, 90, 1, 80, 100, 2, False, True, True, "logsigmoid", id="thd-T90-K80-V100-S2-dht"),
+    # More segments asked for than there are chunks: one chunk each.
+    pytest.param(False, 1, 40, 2, 32, 32, 10, True, True, True, "logsigmoid", id="thd-T40-S3-of-10"),
+    # Segment decays that underflow to 0, and both intra-chunk paths.
+    pytest.param(True, 1, 75, 2, 32, 32, 3, True, True, True, "strong", id="hf-T75-S3-strong"),
+    pytest.param(False, 1, 75, 2, 32, 32, 2, True, True, True, "mixed", id="thd-T75-S2-mixed"),
+]
+
+
+def force_segments(monkeypatch, count):
+    """Make every call cut its sequences into `count` segments (fewer if it has fewer chunks)."""
+    monkeypatch.setattr(fused_chunk, "segment_count", lambda T, programs, device: count)
+
+
+@pytest.mark.parametrize("head_first,B,T,H,K,V,count,use_h0,output_final_state,use_dht,gate", SEGMENT_CASES)
+def test_segments_match_reference(monkeypatch, head_first, B, T, H, K, V, count, use_h0, output_final_state,
+                                  use_dht, gate):
+    """Segments walked side by side and stitched by the scans give the single walk's results:
+    output, final state and every gradient, dg included (its carry across segments)."""
+    force_segments(monkeypatch, count)
+    inp = make_inputs(B, T, H, K, V, gate=gate, use_h0=use_h0, seed=T + count)
+    assert fused_chunk._segments(inp["q"], inp["v"], False)[0] > 1
+    kw = dict(output_final_state=output_final_state, use_dht=use_dht)
+    assert_matches(fused(inp, head_first=head_first, **kw), reference(inp, **kw))
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_segments_with_several_tiles(monkeypatch, head_first):
+    """Segments on the program axis shared with the V-blocks, with 2 K-blocks and 2 V-blocks
+    (the second one masked) in both kernels."""
+    set_tile_caps(monkeypatch, ("fused_chunk_gla",), dict(BK=32, BV=32))
+    force_segments(monkeypatch, 3)
+    inp = make_inputs(2, 90, 1, 64, 48, seed=12)
+    assert fused_chunk._segments(inp["q"], inp["v"], False)[0] == 3
+    assert_matches(fused(inp, head_first=head_first), reference(inp))
+
+
+def test_segments_fp16():
+    """fp16 in, fp16 out under the default rule, which segments this shape on the CPU."""
+    inp = make_inputs(1, 100, 1, 32, 32, dtype=torch.float16, seed=9)
+    assert fused_chunk._segments(inp["q"], inp["v"], False)[0] > 1
+    assert_matches(fused(inp, head_first=False), reference(inp), tol=1e-2)
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("count,launches", [(1, 1), (3, 2)])
+def test_one_segment_is_one_launch_each_way(monkeypatch, count, launches):
+    """S = 1 is the plain walk; S > 1 adds exactly one state-only (forward) and one dh-only
+    (backward) launch."""
+    force_segments(monkeypatch, count)
+    fwd = _CountLaunches(fused_chunk.fused_chunk_gla_fwd_kernel)
+    bwd = _CountLaunches(fused_chunk.fused_chunk_gla_bwd_kernel)
+    monkeypatch.setattr(fused_chunk, "fused_chunk_gla_fwd_kernel", fwd)
+    monkeypatch.setattr(fused_chunk, "fused_chunk_gla_bwd_kernel", bwd)
+    inp = make_inputs(1, 100, 1, 32, 32, seed=10)
+    assert_matches(fused(inp, head_first=False), reference(inp))
+    assert (fwd.launches, bwd.launches) == (launches, launches)
+
+
+def test_segment_count_rule(monkeypatch):
+    """One segment for short sequences or when one walk fills the GPU, several for long ones,
+    capped; the interpreter's rule segments the CPU tests' shapes."""
+    cuda = torch.device("cuda")
+    sms = 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=sms))
+    rule = fused_chunk.segment_count
+    assert rule(100, 64, cuda) == 1
+    assert rule(16 * (4 * fused_chunk.MIN_SEGMENT_CHUNKS - 1), 64, cuda) == 3
+    assert rule(32768, 64, cuda) == fused_chunk.PROGRAMS_PER_SM * sms // 64 > 1
+    assert rule(32768, 2 * fused_chunk.PROGRAMS_PER_SM * sms, cuda) == 1
+    assert rule(32768, 1, cuda) == fused_chunk.MAX_SEGMENTS
+    cpu = torch.device("cpu")
+    assert rule(20, 2, cpu) == 1 and rule(100, 2, cpu) > 1
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 160, 1000])
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 64])
+def test_segments_cover_every_chunk(monkeypatch, T, count):
+    """At most `count` segments of whole chunks: none empty, the last one possibly shorter."""
+    force_segments(monkeypatch, count)
+    x = torch.empty(1, T, 1, 16)
+    S, seg_chunks = fused_chunk._segments(x, x, False)
+    chunks = -(-T // 16)
+    assert 1 <= S <= count and (S - 1) * seg_chunks < chunks <= S * seg_chunks
 
 
 def _bad_call_cases():
