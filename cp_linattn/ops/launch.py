@@ -18,10 +18,13 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
     # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP. BC
     # chunks per program share one read of the fp32 state tile, which read once per chunk
-    # moved more bytes than the bf16 states it corrects.
-    "add_decayed_state": dict(BK=64, BV=64, BC=8, num_warps=4, num_stages=2),
-    # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot).
-    "fold_states": dict(BV=16, num_warps=8, num_stages=1),
+    # moved more bytes than the bf16 states it corrects (H100, D=4 shapes, bf16 + fp32
+    # states: 179 us against 191 for BC=1; BENCHMARKS.md).
+    "add_decayed_state": dict(BK=64, BV=64, BC=4, num_warps=4, num_stages=1),
+    # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot);
+    # two stages prefetch the next transition (H100, three folds: 48 us against 60 for
+    # BV=16, one stage).
+    "fold_states": dict(BV=32, num_warps=8, num_stages=2),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
     "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
     # The same kernels on a KDA middle rank's fragment under CP, walked in segments side by
