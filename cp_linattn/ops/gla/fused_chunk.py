@@ -84,6 +84,22 @@ def _row(x, j, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k, o_v, m_k, m_v, BT: tl.constexpr):
+    """Offsets and masks of chunk i_t's `[BT, BK]` (K side) and `[BT, BV]` (V side) tiles, and
+    its chunk-local gate cumsum (fp32) with the last row. Tail rows load gate 0, so the
+    cumulative gate stays flat there and the last row holds the decay of the whole (partial)
+    chunk."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    p_kd = base_k + o_t[:, None] * st_k + o_k[None, :]
+    p_vd = base_v + o_t[:, None] * st_v + o_v[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
+    return p_kd, p_vd, m_tk, m_tv, b_gc, _row(b_gc, BT - 1, BT)
+
+
+@triton.jit
 def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRADS: tl.constexpr,
                  PRECISION: tl.constexpr, SPAN_LIMIT: tl.constexpr):
     """Intra-chunk gated scores of one K-block and, with GRADS, their gradients.
@@ -166,7 +182,6 @@ def fused_chunk_gla_fwd_kernel(
     base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
     if not STATE_ONLY:
         o += i_k.to(tl.int64) * B * T * H * V
-    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -181,16 +196,9 @@ def fused_chunk_gla_fwd_kernel(
     t_start = i_s * seg_chunks
     t_end = tl.minimum(t_start + seg_chunks, tl.cdiv(T, BT))
     for i_t in range(t_start, t_end):
-        m_t = i_t * BT + o_t < T
-        p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
-        p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
+        p_kd, p_vd, m_tk, m_tv, b_gc, b_glast = _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k, o_v,
+                                                             m_k, m_v, BT)
         b_k = tl.load(k + p_kd, mask=m_tk, other=0)
-        # Tail rows load gate 0, so the cumulative gate stays flat there and the last row
-        # holds the decay of the whole (partial) chunk.
-        b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
-        b_glast = _row(b_gc, BT - 1, BT)
         b_v = tl.load(v + p_vd, mask=m_tv, other=0)
 
         if STATE_ONLY:
@@ -260,7 +268,6 @@ def fused_chunk_gla_bwd_kernel(
         dk += i_v.to(tl.int64) * B * T * H * K
         dg += i_v.to(tl.int64) * B * T * H * K
         dv += i_k.to(tl.int64) * B * T * H * V
-    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -280,14 +287,9 @@ def fused_chunk_gla_bwd_kernel(
         if USE_H0:
             b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
         for i_t in range(t_start, t_end):
-            m_t = i_t * BT + o_t < T
-            p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
-            p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
+            p_kd, p_vd, m_tk, m_tv, b_gc, b_glast = _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k,
+                                                                 o_v, m_k, m_v, BT)
             b_k = tl.load(k + p_kd, mask=m_tk, other=0)
-            b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
-            b_glast = _row(b_gc, BT - 1, BT)
             b_v = tl.load(v + p_vd, mask=m_tv, other=0)
             b_do = tl.load(do + p_vd, mask=m_tv, other=0)
 
@@ -311,15 +313,10 @@ def fused_chunk_gla_bwd_kernel(
     # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
     for i_rev in range(0, t_end - t_start):
         i_t = t_end - 1 - i_rev
-        m_t = i_t * BT + o_t < T
-        p_kd = base_k + (i_t * BT + o_t)[:, None] * st_k + o_k[None, :]
-        p_vd = base_v + (i_t * BT + o_t)[:, None] * st_v + o_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
+        p_kd, p_vd, m_tk, m_tv, b_gc, b_glast = _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k, o_v,
+                                                             m_k, m_v, BT)
         b_q = tl.load(q + p_kd, mask=m_tk, other=0).to(tl.float32)
         b_qs = b_q * scale
-        b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
-        b_glast = _row(b_gc, BT - 1, BT)
         b_do = tl.load(do + p_vd, mask=m_tv, other=0)
         if not DH_ONLY:
             b_k = tl.load(k + p_kd, mask=m_tk, other=0).to(tl.float32)
