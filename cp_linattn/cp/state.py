@@ -39,6 +39,7 @@ from cp_linattn.cp.context import FLACPContext, empty_seq_ids
 from cp_linattn.ops.common.chunk_delta_h import (chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h,
                                                  delta_state_block_sizes)
 from cp_linattn.ops.common.chunk_h import add_decayed_state, fold_states
+from cp_linattn.ops.utils import whole_chunk_segments
 
 CHUNK_SIZE = 64
 # The forward fold chains the segments one K x K product after another: past 8 segments it
@@ -366,8 +367,7 @@ class FragmentSegments:
 
     def __init__(self, n_tokens: int, count: int, device: torch.device):
         n_chunks = -(-n_tokens // CHUNK_SIZE)
-        per_segment = -(-n_chunks // max(1, min(n_chunks, count)))
-        self.count = -(-n_chunks // per_segment)
+        self.count, per_segment = whole_chunk_segments(n_chunks, count)
         self.cu_seqlens = self.chunk_offsets = None
         if self.count > 1:
             self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)

@@ -254,6 +254,13 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
     return torch.cat([cu_seqlens.new_zeros(1), n_chunks.cumsum(0)])
 
 
+def whole_chunk_segments(n_chunks: int, count: int) -> tuple[int, int]:
+    """(segments, chunks per segment) of a walk of n_chunks cut into at most `count` segments
+    of whole chunks: none empty, the last one possibly shorter, at least one."""
+    per_segment = max(1, -(-n_chunks // max(1, min(count, n_chunks))))
+    return max(1, -(-n_chunks // per_segment)), per_segment
+
+
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """`[NT, 2]` int32 table: for every chunk of the packed batch, (sequence id, chunk id in it).
 

@@ -50,7 +50,7 @@ import triton.language as tl
 from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.intra import SAFE_SPAN, within_span
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor
+from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, whole_chunk_segments
 
 CHUNK = 16
 # Segments (`segment_count`): a walk's programs per SM to aim at; the shortest segment, below
@@ -379,8 +379,7 @@ def _segments(q: torch.Tensor, v: torch.Tensor, head_first: bool) -> tuple[int, 
     BK, BV = tiles("fused_chunk_gla_fwd", K, V)
     n_chunks = triton.cdiv(T, CHUNK)
     count = segment_count(T, B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV), q.device)
-    seg_chunks = max(1, triton.cdiv(n_chunks, max(1, min(count, n_chunks))))
-    return max(1, triton.cdiv(n_chunks, seg_chunks)), seg_chunks
+    return whole_chunk_segments(n_chunks, count)
 
 
 def _scan_segments(local: torch.Tensor, decay: torch.Tensor, start: torch.Tensor | None,
