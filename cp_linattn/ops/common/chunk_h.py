@@ -301,16 +301,17 @@ def add_decayed_state_kernel(
     i_h, i_cb = i_ch % H, i_ch // H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    m_k = o_k < K
+    m_tile = m_k[:, None] & (o_v < V)[None, :]
     state_offs = o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(S + i_h * K * V + state_offs, mask=m_k[:, None] & m_v[None, :], other=0)
+    b_s = tl.load(S + i_h * K * V + state_offs, mask=m_tile, other=0)
     # |S| < inf is false exactly for NaN and infinities.
-    m_s = ~(tl.abs(b_s) < float("inf")) & m_k[:, None] & m_v[None, :]
+    m_s = ~(tl.abs(b_s) < float("inf")) & m_tile
     for j in range(BC):
         c = (i_cb * BC + j).to(tl.int64)
         m_c = c < n
         b_factor = tl.exp(tl.load(decay + (c * H + i_h) * K + o_k, mask=m_k & m_c, other=float("-inf")))
-        m_kv = ((b_factor > 0)[:, None] & m_k[:, None] & m_v[None, :] | m_s) & m_c
+        m_kv = ((b_factor > 0)[:, None] & m_tile | m_s) & m_c
         p_x = x + (c * H + i_h) * K * V + state_offs
         b_x = tl.load(p_x, mask=m_kv, other=0).to(tl.float32) + b_factor[:, None] * b_s
         tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_kv)
