@@ -224,9 +224,11 @@ def kernel_excess(cp: list[tuple[str, float, int]], local: list[tuple[str, float
                   ) -> list[tuple[str, float, int]]:
     """Per kernel name, what the CP call spends beyond the local call (ms, extra launches),
     largest first: where a CP excess above the pre-process comes from."""
-    before = {name: (ms, n) for name, ms, n in local}
-    diff = [(name, ms - before.get(name, (0.0, 0))[0], n - before.get(name, (0.0, 0))[1]) for name, ms, n in cp]
-    diff += [(name, -ms, -n) for name, ms, n in local if name not in {c[0] for c in cp}]
+    after, before = ({name: (ms, n) for name, ms, n in call} for call in (cp, local))
+    diff = []
+    for name in dict.fromkeys([*after, *before]):  # CP's kernels first, then those only the local call runs
+        (ms, n), (ms0, n0) = after.get(name, (0.0, 0)), before.get(name, (0.0, 0))
+        diff.append((name, ms - ms0, n - n0))
     return sorted(diff, key=lambda d: -abs(d[1]))
 
 
