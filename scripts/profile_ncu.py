@@ -50,20 +50,14 @@ def profiled_step(case: str, T: int) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_ops import make_op
+    from tune_launch import warm_fwd_bwd_step
 
     op, lib = case.split(":")
-    fn, leaves = make_op(op, lib, T, None)
-    do = torch.randn_like(fn())
-    for _ in range(2):
-        for x in leaves:
-            x.grad = None
-        fn().backward(do)
+    step = warm_fwd_bwd_step(op, T, lib=lib)
+    step()  # a second warm step: caches and allocator settled, as in do_bench
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for x in leaves:
-        x.grad = None
-    fn().backward(do)
+    step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 

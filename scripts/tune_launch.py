@@ -37,10 +37,11 @@ OP_KERNELS = {
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 
 
-def warm_fwd_bwd_step(op: str, T: int, varlen: bool = False) -> Callable[[], None]:
-    """One forward+backward of our `op`, already run once (compiled, warm); with `varlen` on
-    bench_ops.py's packed batch of T tokens in documents of mixed lengths."""
-    fn, leaves = make_op(op, "ours", T, _varlen_cu_seqlens(T) if varlen else None)
+def warm_fwd_bwd_step(op: str, T: int, varlen: bool = False, lib: str = "ours") -> Callable[[], None]:
+    """One forward+backward of `op` by `lib` (bench_ops.py's), already run once (compiled,
+    warm, FLA's autotuning done); with `varlen` on bench_ops.py's packed batch of T tokens in
+    documents of mixed lengths."""
+    fn, leaves = make_op(op, lib, T, _varlen_cu_seqlens(T) if varlen else None)
     out = fn()
     do = torch.randn_like(out)
     out.backward(do)
