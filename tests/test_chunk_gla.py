@@ -252,9 +252,9 @@ def test_add_decayed_state_skips_only_channels_decayed_to_zero():
 
 @pytest.mark.parametrize("n", [1, 8, 19])
 def test_add_decayed_state_blocks_of_chunks(n):
-    """Programs of BC chunks (8) share one read of the state tile: every chunk of a last,
-    partial block is corrected, each with its own heads' decay, in x's dtype (bf16 here, as
-    GLA's stored states), and nothing past the n chunks is written."""
+    """Programs of BC chunks (launch.py's, 4) share one read of the state tile: every chunk of
+    a last, partial block is corrected, each with its own heads' decay, in x's dtype (bf16
+    here, as GLA's stored states), and nothing past the n chunks is written."""
     H, K, V = 3, 24, 40
     buffer = torch.randn(n + 2, H, K, V).to(torch.bfloat16)
     x0 = buffer.clone()
