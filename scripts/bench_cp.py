@@ -94,6 +94,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cp_linattn.cp.comm as cp_comm  # noqa: E402
+import cp_linattn.cp.guard as cp_guard  # noqa: E402
 import cp_linattn.ops.gla.chunk as gla_chunk  # noqa: E402
 import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd  # noqa: E402
 import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd  # noqa: E402
@@ -232,6 +233,67 @@ def kernel_excess(cp: list[tuple[str, float, int]], local: list[tuple[str, float
     return sorted(diff, key=lambda d: -abs(d[1]))
 
 
+class GuardClock:
+    """Wraps `cp_guard.check_on_every_rank` (the per-call argument agreement of every rank):
+    host seconds it adds to the argument checks a call makes anyway, and calls made."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+        self.inner = cp_guard.check_on_every_rank
+
+    def __call__(self, op, context, check):
+        checking = 0.0
+
+        def timed_check():
+            nonlocal checking
+            t = time.perf_counter()
+            try:
+                return check()
+            finally:
+                checking += time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        try:
+            return self.inner(op, context, timed_check)
+        finally:
+            self.seconds += time.perf_counter() - t0 - checking
+            self.calls += 1
+
+
+def _guard_exchange_worker(rank: int, world: int, port: int, reps: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    record = torch.zeros(cp_guard.RECORD_BYTES, dtype=torch.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cp_comm.all_gather_tensor(record, None)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(1e6 * statistics.median(times))
+    dist.destroy_process_group()
+
+
+def guard_exchange_us(world: int, reps: int = 200) -> float:
+    """Median microseconds of the guard's exchange alone: a gloo all-gather of one
+    RECORD_BYTES record among `world` CPU processes of this machine (what the emulated group
+    leaves out)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_guard_exchange_worker, args=(r, world, port, reps, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    us = out.get(timeout=120)
+    for proc in procs:
+        proc.join(timeout=30)
+    return us
+
+
 def _fwd(spec: OpSpec, x: Tensors, **kw) -> Callable[[], None]:
     def run() -> None:
         with torch.no_grad():
@@ -310,10 +372,14 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
     cp_fwd_bwd = _fwd_bwd(spec, x, do, cp_context=ctx)
     pre_kernels = {d: kernel_profile(fn) for d, fn in (("fwd", pre_fwd), ("bwd", pre_bwd))}
     cp_kernels = kernel_profile(cp_fwd_bwd)
+    guard = GuardClock()
+    with mock.patch.object(cp_guard, "check_on_every_rank", guard):
+        cp_fwd_bwd_ms = timer(cp_fwd_bwd)
     row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=ctx.local_len,
                local_fwd_ms=timer(_fwd(spec, x, cu_seqlens=cu_local)), local_fwd_bwd_ms=timer(local_fwd_bwd),
                pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
-               cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=timer(cp_fwd_bwd),
+               cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=cp_fwd_bwd_ms,
+               guard_us=1e6 * guard.seconds / max(1, guard.calls),
                local_fwd_bwd_kernel_ms=total_ms(local_kernels),
                **{f"pre_{d}_kernel_ms": total_ms(k) for d, k in pre_kernels.items()},
                **{f"pre_{d}_kernels": k for d, k in pre_kernels.items()},
@@ -466,6 +532,15 @@ def main() -> None:
     print()
     print(markdown(rows))
     print(worst_rank_kernels(rows))
+    print("Per-call argument agreement of the ranks (cp/guard.py): host time only, no GPU kernel, no device sync.")
+    print("| op | D | host us per call, emulated exchange (worst rank) | gloo all-gather of the record, "
+          f"{os.cpu_count()}-core host, D processes: us | share of worst rank's local f+b wall |")
+    print("|---|---|---|---|---|")
+    exchange = {D: guard_exchange_us(D) for D in degrees}
+    for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
+        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=lambda r: r["guard_us"])
+        share = 100 * (w["guard_us"] + exchange[D]) / 1e3 / w["local_fwd_bwd_ms"]
+        print(f"| {op} | {D} | {w['guard_us']:.0f} | {exchange[D]:.0f} | {share:.2f}% |")
 
 
 if __name__ == "__main__":

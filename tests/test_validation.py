@@ -124,3 +124,77 @@ def test_bf16_on_the_cpu_is_refused_not_garbage(op):
         getattr(cp_linattn, op)(*args)
     o, _ = naive_recurrent_gla(q, k, v, g)
     assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
+
+
+def _op_call(op: str, **kw):
+    """A small call of one public op with grad-requiring inputs; returns (o, final state, leaves)."""
+    import cp_linattn
+
+    q, k, v, g = (x.requires_grad_() for x in _qkvg(T=70, K=16, V=16))
+    if op == "fused_chunk_gla":
+        kw.setdefault("head_first", False)
+        return (*cp_linattn.fused_chunk_gla(q, k, v, g, **kw), (q, k, v, g))
+    if op == "chunk_kda":
+        return (*cp_linattn.chunk_kda(q, k, v, g, torch.rand(1, 70, 2), **kw), (q, k, v, g))
+    return (*cp_linattn.chunk_gla(q, k, v, g, **kw), (q, k, v, g))
+
+
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+def test_second_order_gradients_raise_instead_of_dropping_terms(op):
+    """With create_graph=True the first-order gradients carried no graph: a gradient penalty's
+    own gradient silently missed every second-order term. Now the call says so; first-order
+    gradients are unchanged."""
+    o, _, (q, *_) = _op_call(op)
+    with pytest.raises(RuntimeError, match=rf"{op} does not support second-order gradients.*create_graph"):
+        torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    o, _, (q, *_) = _op_call(op)
+    (dq,) = torch.autograd.grad(o.square().sum(), q)
+    assert dq.grad_fn is None and torch.isfinite(dq).all()
+
+
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+def test_float64_initial_state_is_accepted_with_its_gradient(op):
+    """The docstrings promise any float dtype for initial_state (read in fp32); float64 was refused."""
+    h0 = torch.randn(1, 2, 16, 16, dtype=torch.float64)
+    torch.manual_seed(0)
+    leaf = h0.clone().requires_grad_()
+    o, ht, _ = _op_call(op, initial_state=leaf, output_final_state=True)
+    (o.sum() + ht.sum()).backward()
+    torch.manual_seed(0)
+    leaf32 = h0.float().requires_grad_()
+    o32, ht32, _ = _op_call(op, initial_state=leaf32, output_final_state=True)
+    (o32.sum() + ht32.sum()).backward()
+    assert leaf.grad.dtype == torch.float64 and torch.equal(leaf.grad.float(), leaf32.grad)
+    assert torch.equal(o, o32) and torch.equal(ht, ht32)
+
+
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+@pytest.mark.parametrize("value", [1, "yes", None, torch.tensor(True)])
+def test_flags_take_one_rule_a_bool(op, value):
+    """One rule for every op: an on/off argument is a bool (fused_chunk_gla refused what the
+    others silently took as truthy)."""
+    with pytest.raises(TypeError, match=r"output_final_state must be a bool, got"):
+        _op_call(op, output_final_state=value)
+
+
+def test_kda_missing_beta_and_zero_heads_name_the_argument():
+    from cp_linattn import chunk_kda
+
+    q, k, v, g = _qkvg(T=20)
+    with pytest.raises(TypeError, match=r"beta must be a torch.Tensor of shape \[B, T, HV\].*got NoneType"):
+        chunk_kda(q, k, v, g, None)
+    with pytest.raises(ValueError, match=r"q must have at least one head, got H=0"):
+        chunk_kda(*(x[:, :, :0] for x in (q, k, v, g)), torch.rand(1, 20, 0))
+
+
+def test_fused_chunk_gla_layout_proven_wrong_by_the_initial_state():
+    """head_first=True (the default) reads [B, T, H, K] tensors with T and H swapped; an
+    initial_state with the heads of the other layout proves it and raises, naming head_first."""
+    from cp_linattn import fused_chunk_gla
+
+    q, k, v, g = _qkvg(T=20, H=2, K=16, V=16)  # [B, T, H, K]
+    with pytest.raises(ValueError, match=r"initial_state must have 20 heads .*got 2, .*pass head_first=False"):
+        fused_chunk_gla(q, k, v, g, initial_state=torch.zeros(1, 2, 16, 16))
+    o, _ = fused_chunk_gla(q, k, v, g, initial_state=torch.zeros(1, 2, 16, 16), head_first=False)
+    ref, _ = naive_recurrent_gla(q, k, v, g, initial_state=torch.zeros(1, 2, 16, 16))
+    assert torch.allclose(o, ref, rtol=1e-4, atol=1e-4)

@@ -144,3 +144,74 @@ def test_inference_mode_offsets_are_read_each_call():
         assert id(cu) not in _PACKED_OFFSETS
     ref, _ = naive_recurrent_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 30, 100]))
     assert torch.allclose(o, ref, rtol=1e-4, atol=1e-4)
+
+
+def _strided(values: list[int], how: str) -> torch.Tensor:
+    """The offsets as a non-contiguous view: a column of a 2-D tensor, or every other entry."""
+    if how == "column":
+        return torch.tensor([[v, -1] for v in values])[:, 0]
+    return torch.tensor([x for v in values for x in (v, 10 ** 6)])[::2]
+
+
+@pytest.mark.parametrize("how", ["column", "step"])
+@pytest.mark.parametrize("op", ["chunk_gla", "chunk_kda", "GatedLinearAttention", "KimiDeltaAttention"])
+def test_strided_offsets_read_through_their_strides(op, how):
+    """A strided view of the offsets (and of their CPU copy) gives the contiguous offsets'
+    result exactly; read as contiguous memory it ran out of bounds (corrupt heap, segfault)."""
+    from cp_linattn.layers import GatedLinearAttention, KimiDeltaAttention
+
+    values = [0, 30, 61, 150]
+    cu = _strided(values, how)
+    assert not cu.is_contiguous()
+    q, k, v, g = _gla_inputs(150)
+    if op.startswith("chunk"):
+        beta = torch.rand(1, 150, 2, generator=torch.Generator().manual_seed(1))
+        run = (lambda **kw: chunk_gla(q, k, v, g, output_final_state=True, **kw)) if op == "chunk_gla" else \
+            (lambda **kw: chunk_kda(q, k, v, g, beta, output_final_state=True, **kw))
+    else:
+        torch.manual_seed(0)
+        layer = (GatedLinearAttention if op == "GatedLinearAttention" else KimiDeltaAttention)(32, 2, 16, 16)
+        x = torch.randn(1, 150, 32)
+        run = lambda **kw: (layer(x, cu_seqlens=kw["cu_seqlens"]), None)  # noqa: E731
+    want = run(cu_seqlens=torch.tensor(values))
+    variants = [dict(cu_seqlens=cu)]
+    if op.startswith("chunk"):  # the layers take no cu_seqlens_cpu
+        variants.append(dict(cu_seqlens=torch.tensor(values), cu_seqlens_cpu=_strided(values, how)))
+    for kw in variants:
+        got = run(**kw)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["chunk_gla", "chunk_kda"])
+@pytest.mark.parametrize("write", ["data", "reused buffer"])
+def test_writes_that_bypass_the_version_counter_are_seen(op, write):
+    """`cu.data[...] = ...` (or a buffer refilled through `.data`) leaves the version counter
+    as it was; a CPU cu_seqlens is compared with the cached copy on every call, so the second
+    call runs with the new offsets (a stale copy gave final states off by 1.4 and gradients
+    up to 1e37), forward and backward."""
+    from cp_linattn.ops.kda.naive import naive_recurrent_kda
+
+    q, k, v, g = _gla_inputs(100)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    beta = torch.rand(1, 100, 2, generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 30, 100])
+
+    def run(fn, offsets):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+        args = (*leaves, beta) if op == "chunk_kda" else leaves
+        o, ht = fn(*args, output_final_state=True, cu_seqlens=offsets)
+        (o.square().sum() + ht.square().sum()).backward()
+        return o, ht, *(x.grad for x in leaves)
+
+    fn = chunk_gla if op == "chunk_gla" else chunk_kda
+    ref = naive_recurrent_gla if op == "chunk_gla" else naive_recurrent_kda
+    run(fn, cu)
+    if write == "data":
+        cu.data[1] = 70
+    else:
+        cu.data.copy_(torch.tensor([0, 70, 100]))
+    got = run(fn, cu)
+    want = run(ref, torch.tensor([0, 70, 100]))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())

@@ -76,6 +76,25 @@ def all_gather_tensor(x: torch.Tensor, group: ProcessGroup | None = None) -> tor
     return out.view(world_size, *x.shape).to(x.device)
 
 
+# gloo companions of NCCL-only groups, by (default group, member ranks): made once, kept for the job.
+_HOST_GROUPS: dict[tuple[int, tuple[int, ...]], ProcessGroup] = {}
+
+
+def host_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """A group over the ranks of `group` that moves CPU tensors without the device: `group`
+    itself unless its CPU backend is NCCL (which would stage them through the GPU and wait for
+    its queue), else a gloo group over the same ranks, made on first use (a collective over
+    those ranks only) and reused."""
+    if backend_for(group, "cpu") != "nccl":
+        return group
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+    key = (id(world), ranks)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[key]
+
+
 def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
 

@@ -17,6 +17,7 @@ waiting in a later collective with inconsistent metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +100,13 @@ class FLACPContext:
     @property
     def local_len(self) -> int:
         return self.end - self.start
+
+    @functools.cached_property
+    def batch_signature(self) -> str:
+        """What every rank's context must agree on (the global offsets, split and transport),
+        for the per-call check of `cp_linattn.cp.guard`: a context of another batch differs."""
+        digest = _digest(self.global_cu_seqlens_cpu, self.split, self.comm)
+        return f"T={self.total_tokens}, N={self.global_num_seqs}, hash={digest:x}"
 
     def with_conv1d_kernel_size(self, conv1d_kernel_size: int | None) -> FLACPContext:
         """A copy for layers with a short convolution of this width (recomputes pre_num_conv_tokens)."""

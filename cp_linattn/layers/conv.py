@@ -56,7 +56,7 @@ class ShortConvolution(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens (`[B, T, D]` without); under CP this
         rank's shard (cu_seqlens None or the global offsets). Returns x's shape."""
-        cu_seqlens = local_cu_seqlens(x, cu_seqlens, cp_context)
+        cu_seqlens = local_cu_seqlens("ShortConvolution", x, cu_seqlens, cp_context)
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must be [B, T, {self.dim}], got shape {list(x.shape)}")
         B, T, D = x.shape

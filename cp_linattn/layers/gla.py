@@ -58,7 +58,7 @@ class GatedLinearAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
         (cu_seqlens None or the global offsets). Returns x's shape."""
-        local_cu_seqlens(x, cu_seqlens, cp_context)  # a bad call fails before any work
+        local_cu_seqlens("GatedLinearAttention", x, cu_seqlens, cp_context)  # a bad call fails before any work
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).view(B, T, H, K)

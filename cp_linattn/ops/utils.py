@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# recurrent states are read in fp32, so any float dtype, float64 included, is accepted for them
+STATE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
 def _fmt_shape(shape) -> str:
@@ -53,49 +55,60 @@ class _PackedOffsets:
 
     ref: weakref.ref
     version: int
-    cpu: torch.Tensor
+    cpu: torch.Tensor  # a contiguous copy, never an alias of the caller's buffer
     chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-# Keyed by id(cu_seqlens); an entry goes with its tensor (weakref callback) and is rebuilt after
-# an in-place change of the tensor (its version counter moves).
+# Keyed by id(cu_seqlens); an entry goes with its tensor (weakref callback). It is used only while
+# provably current: same tensor, same version counter, and the same values wherever those are
+# known without waiting for the device (a CPU cu_seqlens, or a cu_seqlens_cpu passed with it).
 _PACKED_OFFSETS: dict[int, _PackedOffsets] = {}
+
+
+def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor's values (a strided view is read through its strides)."""
+    return x.detach().clone(memory_format=torch.contiguous_format)
 
 
 def _packed_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None) -> _PackedOffsets | None:
     """The cache entry of `cu_seqlens`, made on first use from `cpu_copy` or, without one, from
     one device read-back: so a model's layers, forward and backward, wait for the device at most
-    once per batch, not once per op. None for inference tensors (no version counter)."""
+    once per batch, not once per op. None for inference tensors (no version counter).
+
+    The values known without waiting for the device (`cpu_copy`, or a CPU cu_seqlens itself)
+    are compared with the entry on every call (N + 1 integers), so a write that bypasses the
+    version counter (`cu.data[...] = ...`, a reused buffer) is seen and the entry rebuilt."""
     try:
         version = cu_seqlens._version
     except RuntimeError:
         return None
+    known = cpu_copy if cpu_copy is not None else cu_seqlens if cu_seqlens.device.type == "cpu" else None
     key = id(cu_seqlens)
     entry = _PACKED_OFFSETS.get(key)
-    if entry is not None and entry.ref() is cu_seqlens and entry.version == version:
+    if (entry is not None and entry.ref() is cu_seqlens and entry.version == version
+            and (known is None or torch.equal(known, entry.cpu))):
         return entry
-    cpu = cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
+    # .cpu() of a device tensor is a host sync, once per tensor and version
+    cpu = _contiguous_copy(cpu_copy if cpu_copy is not None else cu_seqlens.cpu())
     entry = _PackedOffsets(weakref.ref(cu_seqlens, lambda _, key=key: _PACKED_OFFSETS.pop(key, None)), version, cpu)
     _PACKED_OFFSETS[key] = entry
     return entry
 
 
 def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
-    """The values of `cu_seqlens` on the CPU, read back from its device once per tensor (and
-    after each in-place change), not on every call. `cpu_copy`: the same values already on the
-    CPU; it replaces the read-back and must agree with an earlier one of the same tensor.
+    """The values of `cu_seqlens` on the CPU (contiguous; do not modify), read back from its
+    device once per tensor (and after each in-place change), not on every call. `cpu_copy`: the
+    same values already on the CPU; it replaces the read-back (and is checked against
+    cu_seqlens when that is on the CPU: a free check).
 
-    In-place changes are seen through the tensor's version counter; writes that bypass it
-    (through `.data`, or into memory shared with another framework) are not: give such offsets
-    as a new tensor each time, or pass `cpu_copy`, which is checked against the cached values
-    (and against cu_seqlens itself when that is on the CPU: a free check)."""
+    In-place changes of a device tensor are seen through its version counter; writes that
+    bypass it (through `.data`) cannot be seen without waiting for the device: give such
+    offsets as a new tensor each time, or pass `cpu_copy` with the new values."""
     if cpu_copy is not None and cu_seqlens.device.type == "cpu" and not torch.equal(cpu_copy, cu_seqlens):
         _mismatch(cu_seqlens, cpu_copy)
     entry = _packed_offsets(cu_seqlens, cpu_copy)
     if entry is None:
-        return cu_seqlens.detach().cpu() if cpu_copy is None else cpu_copy
-    if cpu_copy is not None and cpu_copy is not entry.cpu and not torch.equal(cpu_copy, entry.cpu):
-        _mismatch(entry.cpu, cpu_copy)
+        return _contiguous_copy(cu_seqlens.cpu() if cpu_copy is None else cpu_copy)
     return entry.cpu
 
 
@@ -161,6 +174,7 @@ class Dims:
     K: int
     V: int
     N: int
+    cu_seqlens: torch.Tensor | None  # contiguous, as the kernels index it
     cu_seqlens_cpu: torch.Tensor | None
 
 
@@ -177,17 +191,21 @@ def check_inputs(
     allow_gva: bool = False,
     state_v_first: bool = False,
     g_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    num_states: int | None = None,
 ) -> Dims:
     """Validate the inputs of a gated linear-attention op.
 
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]`; beta (KDA): `[B, T, HV]`;
-    initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), any float dtype.
+    initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), any float dtype,
+    N = `num_states` if given (under CP: the global sequence count), else the call's own.
     HV == H unless `allow_gva`, in which case HV must be a multiple of H. cu_seqlens_cpu: an
     existing CPU copy of cu_seqlens (see `check_cu_seqlens`).
     """
     check_tensor("q", q, ndim=4)
     B, T, H, K = q.shape
     dev = q.device
+    if H < 1:
+        raise ValueError(f"q must have at least one head, got H=0 (q.shape={_fmt_shape(q.shape)})")
     check_tensor("k", k, shape=(B, T, H, K), device=dev)
     check_tensor("v", v, ndim=4, device=dev)
     if v.shape[:2] != (B, T):
@@ -212,9 +230,11 @@ def check_inputs(
     else:
         N = B
     if initial_state is not None:
-        state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        check_tensor("initial_state", initial_state, shape=state_shape, device=dev)
-    return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_cpu=cu_cpu)
+        n = N if num_states is None else num_states
+        state_shape = (n, HV, V, K) if state_v_first else (n, HV, K, V)
+        check_tensor("initial_state", initial_state, shape=state_shape, device=dev, dtypes=STATE_DTYPES)
+    return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_cpu=cu_cpu,
+                cu_seqlens=None if cu_seqlens is None else cu_seqlens.contiguous())
 
 
 def check_kernel_dtype(q: torch.Tensor) -> None:
@@ -232,6 +252,31 @@ def compiled_for_nvidia(x: torch.Tensor) -> bool:
     used), rather than run by Triton's interpreter (`TRITON_INTERPRET=1`, or a CPU tensor)
     or compiled for ROCm."""
     return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def refuse_double_backward(op: str) -> None:
+    """Called first in a backward that is not itself differentiable: with create_graph=True
+    (grad mode on in the backward) its gradients would carry no graph and every
+    second-order term would silently be dropped."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op} does not support second-order gradients: its backward is not differentiable, "
+                           "so create_graph=True (gradient penalties, double backward) would silently drop "
+                           "the second-order terms; call backward/autograd.grad with create_graph=False")
+
+
+def kernel_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
+    """A validated initial state as the kernels read it: contiguous, float64 narrowed to fp32
+    (they accumulate in fp32); differentiable, so its gradient comes back in the caller's dtype."""
+    if initial_state is None:
+        return None
+    return initial_state.float().contiguous() if initial_state.dtype == torch.float64 else initial_state.contiguous()
+
+
+def check_flag(name: str, value) -> bool:
+    """One rule for every on/off argument: a bool (a truthy string or tensor would be a guess)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
 
 
 def check_option(name: str, value, allowed) -> None:

@@ -9,6 +9,36 @@ from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
 from cp_linattn.ops.utils import prepare_chunk_indices
 
+# Per-token floor of the log decays, applied before any cumulative sum. exp(x) rounds to 0 in
+# fp32 (and bf16) for every x < ln(2^-150) ~ -103.97, and every exponent a kernel forms from a
+# floored token is a sum of non-positive gates that includes it (<= the floor, up to cumsum
+# rounding far below the 6-unit margin), so flooring changes no representable decay. It keeps
+# -inf (a hard reset) from giving -inf - -inf = NaN, and huge gates (-1e30) from absorbing the
+# smaller gates after them in the cumsum.
+LOG_DECAY_FLOOR = tl.constexpr(-110.0)
+
+
+@triton.jit
+def floor_log_decay(b_g):
+    """b_g with entries below LOG_DECAY_FLOOR replaced by it; a select, so NaN stays NaN."""
+    return tl.where(b_g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, b_g)
+
+
+@triton.jit
+def suffix_sum(b_x, BT: tl.constexpr):
+    """(sum_{s >= t} b_x[s] per column of a [BT, D] tile, the column totals), formed as total -
+    prefix + own (a reverse tl.cumsum takes ten times the shuffles). A non-finite entry makes
+    the rows at or before its own NaN (and the total) and no others: in the total it would
+    reach every row."""
+    o_t = tl.arange(0, BT)
+    finite = tl.abs(b_x) < float("inf")
+    b_f = tl.where(finite, b_x, 0)
+    last_bad = tl.max(tl.where(finite, -1, o_t[:, None]), axis=0)
+    b_total = tl.sum(b_f, axis=0)
+    b_y = b_total[None, :] - tl.cumsum(b_f, axis=0) + b_f
+    return (tl.where(o_t[:, None] <= last_bad[None, :], float("nan"), b_y),
+            tl.where(last_bad >= 0, float("nan"), b_total))
+
 
 @triton.jit
 def chunk_local_cumsum_kernel(
@@ -28,7 +58,8 @@ def chunk_local_cumsum_kernel(
     BC: tl.constexpr,
     SPAN_LIMIT: tl.constexpr,
 ):
-    """y[t] = sum of x over the chunk of t up to t (or from t to the chunk end if REVERSE).
+    """y[t] = sum of x over the chunk of t up to t (or from t to the chunk end if REVERSE); the
+    forward sum takes x floored at LOG_DECAY_FLOOR (x are log gates there).
 
     x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H). With MARK_WIDE (forward
     only) the bits of the chunk's diagonal BC-blocks too wide for the dot path are ORed into
@@ -42,9 +73,12 @@ def chunk_local_cumsum_kernel(
     m = (o_t[:, None] < seq_len) & (o_d[None, :] < D)
     offs = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_x = tl.load(x + offs, mask=m, other=0).to(tl.float32)
-    b_y = tl.cumsum(b_x, axis=0)
     if REVERSE:
-        b_y = tl.sum(b_x, axis=0)[None, :] - b_y + b_x
+        b_y, _ = suffix_sum(b_x, BT)
+    else:
+        # the forward cumsum is of log gates; the reverse one sums gradients, never floored
+        b_x = floor_log_decay(b_x)
+        b_y = tl.cumsum(b_x, axis=0)
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
     if MARK_WIDE:
         tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
@@ -65,8 +99,10 @@ def chunk_local_cumsum(
 ) -> torch.Tensor:
     """Cumulative sum of `x` `[B, T, H, D]` within each chunk of `chunk_size` tokens.
 
-    Chunks restart at every sequence start of a packed batch (`cu_seqlens`). Accumulates in
-    fp32; returns `output_dtype` (fp32 by default, which the chunked kernels expect).
+    Chunks restart at every sequence start of a packed batch (`cu_seqlens`). The forward sum
+    (of log gates) floors each x at LOG_DECAY_FLOOR first; the reverse one (of gradients) does
+    not. Accumulates in fp32; returns `output_dtype` (fp32 by default, which the chunked
+    kernels expect).
     wide: zeroed int32 `[NT_all, H]` (NT_all the chunks of the whole batch) that takes, per
     chunk and head, the bits of the `sub_chunk_size` diagonal blocks whose gate span exceeds
     `span_limit` (forward only; `cp_linattn.ops.common.intra`).

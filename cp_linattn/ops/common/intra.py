@@ -41,7 +41,9 @@ def span_limit(dtype: torch.dtype) -> float:
 def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
     """Whether every entry of the fp32 gate offsets `b_rel` ([R, BK], masked entries 0) is
     within SPAN_LIMIT of its reference row."""
-    fits = tl.max(tl.max(tl.abs(b_rel), axis=1), axis=0) <= SPAN_LIMIT
+    # `<=` in a select, so that a NaN offset counts as too wide (a float max may skip NaN)
+    wide = tl.max(tl.max(tl.where(tl.abs(b_rel) <= SPAN_LIMIT, 0, 1), axis=1), axis=0)
+    fits = wide == 0
     # Round trip through int32: the interpreter's scalar comparison result cannot be &-ed with a
     # mask otherwise.
     return fits.to(tl.int32) != 0
@@ -132,6 +134,21 @@ def diagonal_split_factors(g_first, row_stride, b_g, o, m_r, o_k, m_k, rows, lev
     b_colfac = tl.exp(tl.where(m_rk & (m_ref & ~lower)[:, None], b_gr - b_g, float("-inf")))
     pairs = lower[:, None] & ~lower[None, :] & (group[:, None] == group[None, :])
     return b_rowfac, b_colfac, pairs
+
+
+@triton.jit
+def finite_or_zero(b_x):
+    """b_x with its NaN and infinite entries replaced by 0: the operand of a dot over tokens whose
+    other operand has exact zeros (a causal mask), where 0 * NaN would carry a non-finite input
+    to the rows the mask excludes. The rows the mask keeps are non-finite in the reference."""
+    return tl.where(tl.abs(b_x) < float("inf"), b_x, 0)
+
+
+@triton.jit
+def nonfinite_part(b_x):
+    """b_x's NaN and infinite entries, 0 elsewhere: what `finite_or_zero` left out of a dot
+    against a unit-diagonal matrix, added back on its own row so that the row stays non-finite."""
+    return tl.where(tl.abs(b_x) < float("inf"), 0, b_x)
 
 
 @triton.jit

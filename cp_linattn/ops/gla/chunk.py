@@ -33,14 +33,16 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
-from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch, new_wide_bits, span_limit
-from cp_linattn.cp.context import FLACPContext, check_cp_call
+from cp_linattn.ops.common.cumsum import chunk_local_cumsum, suffix_sum
+from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, in_this_launch, new_wide_bits,
+                                         nonfinite_part, span_limit)
+from cp_linattn.cp.context import FLACPContext
+from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
 from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
                                  gla_apply_incoming_state, receive_final_state_grad, receive_state,
                                  scatter_final_state, send_final_state, send_first_state_grad)
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
-from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, prepare_varlen_chunks
+from cp_linattn.ops.utils import check_flag, check_scale, kernel_state, prepare_varlen_chunks, refuse_double_backward
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -75,6 +77,10 @@ def intra_chunk_scores(
     for i_c in tl.static_range(1, BT // BC):
         ref_valid = i_c * BC < chunk_len
         b_ref = tl.load(gk + (chunk_row0 + i_c * BC * H) * K + o_k, mask=m_k & ref_valid, other=0)
+        # A non-finite gate at or before the reference row would make every key factor NaN, and
+        # the zero query factors off the block would pass it to earlier rows (0 * NaN): with -inf
+        # instead the keys before the gate get 0 (the rows of the block are NaN through b_g).
+        b_ref = tl.where(tl.abs(b_ref) < float("inf"), b_ref, float("-inf"))
         in_block = (o_i >= i_c * BC) & (o_i < i_c * BC + BC) & m_t
         before = (o_i < i_c * BC) & ref_valid
         # Masking the exponent (not the product) keeps exp from overflowing off the block.
@@ -96,7 +102,9 @@ def intra_chunk_scores(
             b_a += tl.where(pairs, b_split, 0)
         # the bisection leaves out t == s, decay 1
         b_a += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0)
-    return b_a
+    # A non-finite q or k row reaches the whole row / column through the zero factors of the
+    # blocks (0 * NaN): a select keeps it out of the entries above the diagonal.
+    return tl.where(o_i[:, None] >= o_i[None, :], b_a, 0)
 
 
 @triton.jit
@@ -146,7 +154,11 @@ def chunk_gla_fwd_o_kernel(
     m_tv = m_t[:, None] & m_v[None, :]
     v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
     b_v = tl.load(v + v_offs, mask=m_tv, other=0)
-    b_o = b_o * scale + tl.dot(b_a, b_v, input_precision=DOT_PREC)
+    # A's zeros above the diagonal would carry a non-finite v to earlier rows (0 * NaN): the dot
+    # takes the finite entries, and the others join their own row only
+    b_o = b_o * scale + tl.dot(b_a, finite_or_zero(b_v), input_precision=DOT_PREC)
+    # (read again: the tile kept alive across the dot spilled more registers)
+    b_o += nonfinite_part(tl.load(v + v_offs, mask=m_tv, other=0))
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -258,8 +270,13 @@ def chunk_gla_bwd_dqkg_kernel(
         b_decay_q = tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
         b_decay_k = tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
         b_da_block = tl.where(in_block[:, None] & (o_i[None, :] < i_c * BC), b_da, 0).to(dtype)
-        b_dq += b_decay_q * tl.dot(b_da_block, (b_k * b_decay_k).to(dtype), input_precision=DOT_PREC)
-        b_dk += b_decay_k * tl.dot(tl.trans(b_da_block), (b_q * b_decay_q).to(dtype), input_precision=DOT_PREC)
+        # selects, not the zero factors, off the block's rows and columns: 0 * NaN would carry a
+        # non-finite input to the rows outside them
+        b_k_ref = tl.where(before[:, None], b_k * b_decay_k, 0).to(dtype)
+        b_q_ref = tl.where(in_block[:, None], b_q * b_decay_q, 0).to(dtype)
+        b_dq += tl.where(in_block[:, None], b_decay_q * tl.dot(b_da_block, b_k_ref, input_precision=DOT_PREC), 0)
+        b_dk += tl.where(before[:, None], b_decay_k * tl.dot(tl.trans(b_da_block), b_q_ref, input_precision=DOT_PREC),
+                         0)
     # The diagonal blocks: the middle split, or with WIDE the four levels of their bisection.
     # The t == s terms (decay 1) are added exactly, outside the dots: in dg = q dq - k dk they
     # cancel, and under strong decay they dominate, so bf16-rounded dot operands would leave
@@ -275,13 +292,14 @@ def chunk_gla_bwd_dqkg_kernel(
         else:
             b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
             b_rowfac, b_colfac, b_da_split = tl.exp(b_rel), tl.exp(-b_rel), b_da_strict
-        b_dq += b_rowfac * tl.dot(b_da_split, (b_k * b_colfac).to(dtype), input_precision=DOT_PREC)
-        b_dk += b_colfac * tl.dot(tl.trans(b_da_split), (b_q * b_rowfac).to(dtype), input_precision=DOT_PREC)
+        b_dq += b_rowfac * tl.dot(b_da_split, finite_or_zero(b_k * b_colfac).to(dtype), input_precision=DOT_PREC)
+        b_dk += b_colfac * tl.dot(tl.trans(b_da_split), finite_or_zero(b_q * b_rowfac).to(dtype),
+                                  input_precision=DOT_PREC)
     b_dq += b_da_self[:, None] * b_k
     b_dk += b_da_self[:, None] * b_q
 
     b_dg_token = tl.where(m_tk, b_q * b_dq - b_k * b_dk, 0)
-    b_dg = tl.sum(b_dg_token, axis=0)[None, :] - tl.cumsum(b_dg_token, axis=0) + b_dg_token
+    b_dg, _ = suffix_sum(b_dg_token, BT)
     b_dg += b_dg_last[None, :]
     tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -425,6 +443,7 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        refuse_double_backward("chunk_gla")
         q, k, v, gk, wide, h, A, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
         cp_context, record, user_h0 = ctx.cp
         scale = ctx.scale
@@ -493,17 +512,14 @@ def chunk_gla(
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (fp32 `[N, H, K, V]`) or None.
     """
-    if cp_context is not None:
-        cu_seqlens = check_cp_call(cp_context, cu_seqlens, cu_seqlens_cpu, q=q, k=k, v=v, g=g)
-    dims = check_inputs(q, k, v, g, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu)
-    check_kernel_dtype(q)
-    if cp_context is not None and initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.H, dims.K, dims.V),
-                     device=q.device)
-    scale = check_scale(scale, dims.K)
+    def check():
+        dims = check_op_inputs(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                               cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context)
+        return dims, check_scale(scale, dims.K), check_flag("output_final_state", output_final_state)
+
+    dims, scale, output_final_state = checked_call(
+        "chunk_gla", cp_context, check,
+        lambda call: call_signature(cp_context, call[0], q, g, call[1], initial_state, output_final_state=call[2]))
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    return ChunkGLAFunction.apply(q, k, v, g, scale, initial_state, bool(output_final_state), cu_seqlens,
+    return ChunkGLAFunction.apply(q, k, v, g, scale, kernel_state(initial_state), output_final_state, dims.cu_seqlens,
                                   dims.cu_seqlens_cpu, cp_context)

@@ -26,8 +26,8 @@ state from zero.
   tokens (and the user's dht) contribute.
 `segment_count` picks S; S = 1 is the plain single walk, one launch each way.
 
-Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself. The
-intra-chunk scores are a dot of `q e^(g - g_m)` and `k e^(g_m - g)`, m the chunk's middle row,
+Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself, each token's
+floored at LOG_DECAY_FLOOR first (cp_linattn/ops/common/cumsum.py). The intra-chunk scores are a dot of `q e^(g - g_m)` and `k e^(g_m - g)`, m the chunk's middle row,
 when every `|g - g_m|` of the chunk is within SAFE_SPAN (cp_linattn/ops/common/intra.py; the
 operands stay fp32, so the bound holds for every input dtype). Otherwise they are formed
 column by column from differences `g_i - g_j` with `i` at or after `j`, `<= 0` for log-decay
@@ -48,9 +48,11 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
-from cp_linattn.ops.common.intra import SAFE_SPAN, within_span
+from cp_linattn.ops.common.cumsum import floor_log_decay, suffix_sum
+from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, within_span
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, whole_chunk_segments
+from cp_linattn.ops.utils import (_fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor,
+                                  kernel_state, refuse_double_backward, whole_chunk_segments)
 
 CHUNK = 16
 # Segments (`segment_count`): a walk's programs per SM to aim at; the shortest segment, below
@@ -86,16 +88,16 @@ def _row(x, j, BT: tl.constexpr):
 @triton.jit
 def _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k, o_v, m_k, m_v, BT: tl.constexpr):
     """Offsets and masks of chunk i_t's `[BT, BK]` (K side) and `[BT, BV]` (V side) tiles, and
-    its chunk-local gate cumsum (fp32) with the last row. Tail rows load gate 0, so the
-    cumulative gate stays flat there and the last row holds the decay of the whole (partial)
-    chunk."""
+    its chunk-local gate cumsum (fp32, of the gates floored at LOG_DECAY_FLOOR) with the last
+    row. Tail rows load gate 0, so the cumulative gate stays flat there and the last row holds
+    the decay of the whole (partial) chunk."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     p_kd = base_k + o_t[:, None] * st_k + o_k[None, :]
     p_vd = base_v + o_t[:, None] * st_v + o_v[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    b_gc = tl.cumsum(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32), axis=0)
+    b_gc = tl.cumsum(floor_log_decay(tl.load(g + p_kd, mask=m_tk, other=0).to(tl.float32)), axis=0)
     return p_kd, p_vd, m_tk, m_tv, b_gc, _row(b_gc, BT - 1, BT)
 
 
@@ -125,8 +127,8 @@ def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRAD
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         if GRADS:
             b_dpc = tl.where(causal, b_dp, 0.0)
-            b_dq = b_to_mid * tl.dot(b_dpc, b_ke, input_precision=PRECISION)
-            b_dk = b_from_mid * tl.dot(tl.trans(b_dpc), b_qe, input_precision=PRECISION)
+            b_dq = b_to_mid * tl.dot(b_dpc, finite_or_zero(b_ke), input_precision=PRECISION)
+            b_dk = b_from_mid * tl.dot(tl.trans(b_dpc), finite_or_zero(b_qe), input_precision=PRECISION)
     else:
         b_a = tl.zeros([BT, BT], dtype=tl.float32)
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -134,13 +136,16 @@ def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRAD
         for j in range(BT):
             b_kj = _row(b_k, j, BT)
             b_gj = _row(b_gc, j, BT)
-            b_e = tl.exp(tl.where(o_r[:, None] >= j, b_gc - b_gj[None, :], float("-inf")))
+            rows_j = (o_r >= j)[:, None]
+            b_e = tl.exp(tl.where(rows_j, b_gc - b_gj[None, :], float("-inf")))
             b_qe = b_qs * b_e
-            b_a = tl.where(o_r[None, :] == j, tl.sum(b_qe * b_kj[None, :], axis=1)[:, None], b_a)
+            # selects, not the zero decays, above the diagonal: 0 * NaN would reach earlier rows
+            b_a = tl.where((o_r[None, :] == j) & rows_j, tl.sum(b_qe * b_kj[None, :], axis=1)[:, None], b_a)
             if GRADS:
                 b_dpj = tl.sum(tl.where(o_r[None, :] == j, b_dp, 0.0), axis=1)
-                b_dq += b_dpj[:, None] * b_e * b_kj[None, :]
-                b_dk = tl.where(o_r[:, None] == j, tl.sum(b_dpj[:, None] * b_qe, axis=0)[None, :], b_dk)
+                b_dq += tl.where(rows_j, b_dpj[:, None] * b_e * b_kj[None, :], 0.0)
+                b_dk = tl.where(o_r[:, None] == j, tl.sum(tl.where(rows_j, b_dpj[:, None] * b_qe, 0.0), axis=0)[None, :],
+                                b_dk)
     return b_a, b_dq, b_dk
 
 
@@ -208,7 +213,11 @@ def fused_chunk_gla_fwd_kernel(
             b_a, _, _ = _intra_chunk(b_qs, b_k.to(tl.float32), b_gc, None, BT, BK, False, DOT_PRECISION,
                                      SPAN_LIMIT)
             b_o = tl.dot((b_qs * tl.exp(b_gc)).to(b_v.dtype), b_h.to(b_v.dtype), input_precision=DOT_PRECISION)
-            b_o += tl.dot(b_a.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+            # A's zeros above the diagonal would carry a non-finite v to earlier rows (0 * NaN):
+            # the dot takes the finite entries, and the others join their own row only, as v - v
+            # (0, or NaN for NaN and inf: no mask kept across the dot)
+            b_o += tl.dot(b_a.to(b_v.dtype), finite_or_zero(b_v), input_precision=DOT_PRECISION)
+            b_o += (b_v - b_v).to(tl.float32)
             tl.store(o + p_vd, b_o.to(o.dtype.element_ty), mask=m_tv)
 
         b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
@@ -336,8 +345,8 @@ def fused_chunk_gla_bwd_kernel(
             # d(cumulative gate) = q*dq - k*dk; the raw gate's gradient is its reverse cumsum
             # over the whole sequence: in-chunk part plus what the later chunks carried.
             b_dgc = b_q * b_dq - b_k * b_dk
-            b_dgc_total = tl.sum(b_dgc, axis=0)
-            b_dg = (b_dg_carry + b_dgc_total)[None, :] - tl.cumsum(b_dgc, axis=0) + b_dgc
+            b_dg, b_dgc_total = suffix_sum(b_dgc, BT)
+            b_dg += b_dg_carry[None, :]
             b_dg_carry += b_dgc_total
 
             tl.store(dq + p_kd, b_dq.to(dq.dtype.element_ty), mask=m_tk)
@@ -540,6 +549,7 @@ class FusedChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        refuse_double_backward("fused_chunk_gla")
         q, k, v, g, h0, decay = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dht = None if dht is None else dht.contiguous()
@@ -552,9 +562,17 @@ class FusedChunkGLAFunction(torch.autograd.Function):
 
 
 def _check_fused_inputs(q, k, v, g, initial_state, head_first: bool):
-    """Validate shapes for either layout, with the messages of `check_inputs`."""
+    """Validate shapes for either layout, with the messages of `check_inputs`; an
+    `initial_state` whose head count fits only the other layout says so."""
+    check_tensor("q", q, ndim=4)
+    if initial_state is not None and isinstance(initial_state, torch.Tensor) and initial_state.dim() == 4:
+        heads, other = (q.shape[1], q.shape[2]) if head_first else (q.shape[2], q.shape[1])
+        if initial_state.shape[1] != heads and initial_state.shape[1] == other:
+            layout, wanted = ("[B, H, T, K]", "head_first=False") if head_first else ("[B, T, H, K]", "head_first=True")
+            raise ValueError(
+                f"initial_state must have {heads} heads (with head_first={head_first} q {_fmt_shape(q.shape)} is read "
+                f"as {layout}), got {other}, which fits only the other layout: pass {wanted} for tensors in that layout")
     if head_first:
-        check_tensor("q", q, ndim=4)
         B, H, T, K = q.shape
         check_tensor("k", k, shape=(B, H, T, K), device=q.device)
         check_tensor("v", v, shape=(B, H, T, None), device=q.device)
@@ -577,6 +595,12 @@ def fused_chunk_gla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated Linear Attention, fused chunked kernels (forward and backward).
 
+    The default layout is head-first, `[B, H, T, K]` (`head_first=True`, the seed's API),
+    unlike every other op here: pass `head_first=False` for `[B, T, H, K]` tensors. The
+    shapes of q, k, v, g alone cannot tell the layouts apart, so tensors in the other layout
+    are silently read with T and H swapped; an `initial_state` that fits only the other
+    layout raises.
+
     Args:
         q, k: `[B, H, T, K]` if `head_first` else `[B, T, H, K]`, fp32/fp16/bf16 (one dtype
             shared with v).
@@ -590,15 +614,12 @@ def fused_chunk_gla(
     Returns:
         o: like v, in v's dtype; final_state: fp32 `[B, H, K, V]` or None.
     """
-    if not isinstance(head_first, bool):
-        raise TypeError(f"head_first must be a bool, got {type(head_first).__name__}")
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    check_flag("head_first", head_first)
+    check_flag("output_final_state", output_final_state)
     dims = _check_fused_inputs(q, k, v, g, initial_state, head_first)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == -1:
         scale = None
     scale = check_scale(scale, dims.K)
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    return FusedChunkGLAFunction.apply(q, k, v, g, scale, initial_state, output_final_state, head_first)
+    return FusedChunkGLAFunction.apply(q, k, v, g, scale, kernel_state(initial_state), output_final_state,
+                                       head_first)

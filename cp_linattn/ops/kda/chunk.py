@@ -5,12 +5,14 @@ import math
 
 import torch
 
-from cp_linattn.cp.context import FLACPContext, check_cp_call
+from cp_linattn.cp.context import FLACPContext
+from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
 from cp_linattn.cp.state import compress_h0
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE
-from cp_linattn.ops.utils import check_inputs, check_kernel_dtype, check_scale, check_tensor, prepare_varlen_chunks
+from cp_linattn.ops.utils import (check_flag, check_scale, check_tensor, kernel_state, prepare_varlen_chunks,
+                                  refuse_double_backward)
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
@@ -48,6 +50,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        refuse_double_backward("chunk_kda")
         (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
          *rest) = ctx.saved_tensors
         cp_context, cp_record, h0_dtype = ctx.cp
@@ -178,24 +181,28 @@ def chunk_kda(
     Returns:
         o `[B, T, HV, V]` in v's dtype and the final state (fp32) or None.
     """
-    if cp_context is not None:
-        cu_seqlens = check_cp_call(cp_context, cu_seqlens, cu_seqlens_cpu, q=q, k=k, v=v, g=g, beta=beta)
-    dims = check_inputs(q, k, v, g, beta, initial_state=None if cp_context else initial_state, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cp_context.cu_seqlens_cpu if cp_context else cu_seqlens_cpu,
-                        allow_gva=True, state_v_first=state_v_first)
-    check_kernel_dtype(q)
-    if cp_context is not None and initial_state is not None:
-        shape = (dims.V, dims.K) if state_v_first else (dims.K, dims.V)
-        check_tensor("initial_state", initial_state, shape=(cp_context.global_num_seqs, dims.HV, *shape),
-                     device=q.device)
-    scale = check_scale(scale, dims.K)
-    _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
-    if not use_gate_in_kernel:
-        lower_bound = None
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.contiguous()
+    def check():
+        if not isinstance(beta, torch.Tensor):
+            raise TypeError(f"beta must be a torch.Tensor of shape [B, T, HV] (the delta-rule step sizes), "
+                            f"got {type(beta).__name__}")
+        flags = {name: check_flag(name, value) for name, value in (
+            ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+            ("use_gate_in_kernel", use_gate_in_kernel), ("safe_gate", safe_gate),
+            ("disable_recompute", disable_recompute), ("state_v_first", state_v_first))}
+        dims = check_op_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                               cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, allow_gva=True,
+                               state_v_first=state_v_first)
+        _check_kda_options(dims, g, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
+        bound = None if not use_gate_in_kernel or lower_bound is None else float(lower_bound)
+        return dims, check_scale(scale, dims.K), flags, bound
+
+    dims, scale, flags, lower_bound = checked_call(
+        "chunk_kda", cp_context, check,
+        lambda call: call_signature(cp_context, call[0], q, g, call[1], initial_state, lower_bound=call[3],
+                                    A_log=None if A_log is None else list(A_log.shape),
+                                    dt_bias=None if dt_bias is None else list(dt_bias.shape), **call[2]))
     return ChunkKDAFunction.apply(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, None if lower_bound is None else float(lower_bound), disable_recompute, state_v_first,
-        cu_seqlens, dims.cu_seqlens_cpu, cp_context,
+        q, k, v, g, beta, A_log, dt_bias, kernel_state(initial_state), scale, flags["output_final_state"],
+        flags["use_qk_l2norm_in_kernel"], flags["use_gate_in_kernel"], lower_bound, flags["disable_recompute"],
+        flags["state_v_first"], dims.cu_seqlens, dims.cu_seqlens_cpu, cp_context,
     )

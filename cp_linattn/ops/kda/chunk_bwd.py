@@ -37,7 +37,7 @@ from cp_linattn.cp.state import (BoundaryExchange, gather_final_state_grad, kda_
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch
+from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, in_this_launch, nonfinite_part
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum_bwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, split_launch, tile, tiles
@@ -137,7 +137,9 @@ def kda_bwd_wy_dqkg_kernel(
                 b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
                 b_dA += tl.dot(b_dv2, tl.trans((b_v * b_beta[:, None]).to(dtype)),
                                input_precision=DOT_PREC)
-                b_dvb = tl.dot(b_at, b_dv2, input_precision=DOT_PREC)
+                # A^T's zeros below the diagonal would carry a non-finite dv2 row to later rows
+                # (0 * NaN): left out of the dot, it joins its own row (A's diagonal is 1)
+                b_dvb = tl.dot(b_at, finite_or_zero(b_dv2), input_precision=DOT_PREC) + nonfinite_part(b_dv2)
                 tl.store(dv + p_v, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_cv)
                 b_dbeta += tl.sum(b_dvb * b_v, axis=1)
         p_qk = qk_rows[:, None] * K + o_k[None, :]
@@ -153,7 +155,8 @@ def kda_bwd_wy_dqkg_kernel(
         b_dglast = b_dglast * tl.exp(b_g_last) + tl.sum(b_k * b_dk, axis=0)
         b_kb = b_k * b_eg * b_beta[:, None]
         b_dA -= tl.dot(b_dwn.to(dtype), tl.trans(b_kb.to(dtype)), input_precision=DOT_PREC)
-        b_dkb = -tl.dot(b_at, b_dwn.to(dtype), input_precision=DOT_PREC)
+        b_dwn_op = b_dwn.to(dtype)
+        b_dkb = -tl.dot(b_at, finite_or_zero(b_dwn_op), input_precision=DOT_PREC) - nonfinite_part(b_dwn_op).to(tl.float32)
         b_dk += b_dkb * b_eg * b_beta[:, None]
         b_dbeta += tl.sum(b_dkb * b_k * b_eg, axis=1)
         b_dg += b_dkb * b_kb
@@ -161,8 +164,10 @@ def kda_bwd_wy_dqkg_kernel(
         tl.store(dq + p_hk, b_dq, mask=m_ck)
         tl.store(dk + p_hk, b_dk, mask=m_ck)
         tl.store(dg + p_hk, b_dg, mask=m_ck)
-    b_dl = tl.dot(b_dA.to(dtype), tl.trans(b_a.to(dtype)), input_precision=DOT_PREC)
-    b_dl = -tl.dot(b_at, b_dl.to(dtype), input_precision=DOT_PREC)
+    # both dots run over tokens against A's exact zeros, as dvb's
+    b_dl = tl.dot(finite_or_zero(b_dA).to(dtype), tl.trans(b_a.to(dtype)), input_precision=DOT_PREC) \
+        + nonfinite_part(b_dA)
+    b_dl = -tl.dot(b_at, finite_or_zero(b_dl).to(dtype), input_precision=DOT_PREC) - nonfinite_part(b_dl)
     b_dl = tl.where((o_c[:, None] > o_c[None, :]) & m_cc, b_dl, 0)
     tl.store(dL + p_a, b_dl, mask=m_cc)
     tl.store(dbeta + rows, b_dbeta, mask=m_c)
@@ -304,11 +309,14 @@ def kda_bwd_intra_kernel(
                 if WIDE:
                     b_p = tl.where(pairs, b_p, 0)
                     b_d = tl.where(pairs, b_d, 0)
-                b_kc = (b_ki * b_colfac).to(dtype)
+                # dots over the block's tokens against strictly lower P, D: non-finite operand
+                # rows left out, as 0 * NaN would reach the rows the mask excludes
+                b_kc = finite_or_zero(b_ki * b_colfac).to(dtype)
                 b_dq += b_rowfac * tl.dot(b_p, b_kc, input_precision=DOT_PREC)
                 b_r += b_rowfac * tl.dot(b_d, b_kc, input_precision=DOT_PREC)
-                b_dks += b_colfac * tl.dot(tl.trans(b_p), (b_qi * b_rowfac).to(dtype), input_precision=DOT_PREC)
-                b_cc += b_colfac * tl.dot(tl.trans(b_d), (b_ki * b_rowfac * b_beta_i[:, None]).to(dtype),
+                b_dks += b_colfac * tl.dot(tl.trans(b_p), finite_or_zero(b_qi * b_rowfac).to(dtype),
+                                           input_precision=DOT_PREC)
+                b_cc += b_colfac * tl.dot(tl.trans(b_d), finite_or_zero(b_ki * b_rowfac * b_beta_i[:, None]).to(dtype),
                                           input_precision=DOT_PREC)
             b_dq += b_p_self[:, None] * b_ki
             b_dks += b_p_self[:, None] * b_qi

@@ -17,7 +17,7 @@ from cp_linattn.cp.state import expand_h0, kda_incoming_state, scatter_final_sta
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h, chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.common.intra import SAFE_SPAN, new_wide_bits, span_limit
+from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, new_wide_bits, span_limit
 from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd
 from cp_linattn.ops.launch import launch_options, tiles
@@ -104,7 +104,11 @@ def kda_output_kernel(
         b_o += tl.dot(b_qg, b_h.to(dtype), input_precision=DOT_PREC)
     b_a = tl.load(Aqk + rows[:, None] * BT + o_c[None, :], mask=m_c[:, None] & (o_c < BT)[None, :], other=0)
     b_vn = tl.load(v_new + rows[:, None] * V + o_v[None, :], mask=m_cv, other=0)
-    b_o = b_o * scale + tl.dot(b_a.to(b_vn.dtype), b_vn, input_precision=DOT_PREC)
+    # Aqk's zeros above the diagonal would carry a non-finite v_new to earlier rows (0 * NaN):
+    # the dot takes the finite entries, and the others join their own row only, as v - v (0, or
+    # NaN for NaN and inf: no mask kept across the dot, which spilled registers)
+    b_o = b_o * scale + tl.dot(b_a.to(b_vn.dtype), finite_or_zero(b_vn), input_precision=DOT_PREC)
+    b_o += (b_vn - b_vn).to(tl.float32)
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_cv)
 
 

@@ -5,7 +5,8 @@ From the raw gate input x = g + dt_bias (per value head and key channel) the log
     default       a = -exp(A_log) * softplus(x)
     lower bound   a = lower_bound * sigmoid(exp(A_log) * x)   (or sigmoid(x) without A_log)
 
-and the chunk kernels need its chunk-local cumsum. One kernel computes both; its backward
+and the chunk kernels need its chunk-local cumsum, of a floored at LOG_DECAY_FLOOR like every
+log gate (`cp_linattn.ops.common.cumsum`). One kernel computes both; its backward
 takes the gradient of the cumsum, reverse-cumsums it inside the chunk (the gradient of a)
 and applies the activation's derivative, also emitting per-chunk partial sums for the
 A_log and dt_bias gradients (reduced over chunks on the host side: tiny tensors).
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
+from cp_linattn.ops.common.cumsum import LOG_DECAY_FLOOR, floor_log_decay, suffix_sum
 from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
 from cp_linattn.ops.utils import compiled_for_nvidia
 
@@ -70,11 +72,11 @@ def kda_gate_cumsum_kernel(
     BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr, MARK_WIDE: tl.constexpr, BC: tl.constexpr,
     SPAN_LIMIT: tl.constexpr, APPROX_LOG: tl.constexpr,
 ):
-    """Forward: g_cum = cumsum_in_chunk(gate(g)), and with MARK_WIDE the bits of the chunk's diagonal
-    BC-blocks too wide for the dot path ORed into wide, int32 `[NT_all, HV]`
-    (`mark_wide_diagonal_blocks`). Backward: dg = gate'(g) * reverse_cumsum(dg_cum),
-    plus per-chunk sums over tokens for dA_log/dt_bias `[NT_all, HV, K]`.
-    Grid (cdiv(K, BK), NT_all, B * HV)."""
+    """Forward: g_cum = cumsum_in_chunk(gate(g)), the gate floored at LOG_DECAY_FLOOR, and with
+    MARK_WIDE the bits of the chunk's diagonal BC-blocks too wide for the dot path ORed into
+    wide, int32 `[NT_all, HV]` (`mark_wide_diagonal_blocks`). Backward: dg = gate'(g) *
+    reverse_cumsum(dg_cum) (0 where the gate was floored), plus per-chunk sums over tokens for
+    dA_log/dt_bias `[NT_all, HV, K]`. Grid (cdiv(K, BK), NT_all, B * HV)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, seq_len, t0, chunk_id = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
@@ -92,17 +94,20 @@ def kda_gate_cumsum_kernel(
         b_A = 0.0
     b_gate, b_dx, b_dA = kda_gate_activation(b_x, b_A, LOWER_BOUND, lower_bound, HAS_A, APPROX_LOG)
     if BACKWARD:
+        # The floored gate is constant below the floor: no gradient to x or A_log there (the
+        # reference's is exp(gate) * (...) = 0), and no 0 * -inf from an infinite gate.
+        floored = b_gate < LOG_DECAY_FLOOR
+        b_dx = tl.where(floored, 0, b_dx)
+        b_dA = tl.where(floored, 0, b_dA)
         b_dc = tl.load(dg_cum + offs, mask=m, other=0).to(tl.float32)
-        # the reverse cumsum as total - cumsum + own term: tl.cumsum(reverse=True) compiled to
-        # ten times the shuffles (sm_90a PTX, 354 against 33)
-        b_dgate = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+        b_dgate, _ = suffix_sum(b_dc, BT)
         b_dg = tl.where(m, b_dgate * b_dx, 0)
         tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
         part_offs = (chunk_id * HV + i_h) * K + o_k
         tl.store(dbias_part + part_offs, tl.sum(b_dg, axis=0), mask=m_k)
         tl.store(dA_part + part_offs, tl.sum(tl.where(m, b_dgate * b_dA, 0), axis=0), mask=m_k)
     else:
-        b_gate = tl.where(m, b_gate, 0)
+        b_gate = tl.where(m, floor_log_decay(b_gate), 0)
         tl.store(g_cum + offs, tl.cumsum(b_gate, axis=0), mask=m)
         if MARK_WIDE:
             mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_gate, seq_len - t0,

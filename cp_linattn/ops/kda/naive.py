@@ -37,7 +37,12 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     x = g.float()
     if dt_bias is not None:
         x = x + dt_bias.float().view(HV, K)
-    return -A_log.float().view(HV, 1).exp() * F.softplus(x)
+    sp = F.softplus(x)
+    # x = +inf: the gate is -inf, its decay 0, and every gradient through it 0 (the limit);
+    # the product's backward would form the A_log one as 0 * inf = NaN
+    infinite = torch.isinf(sp)
+    gate = -A_log.float().view(HV, 1).exp() * torch.where(infinite, 0.0, sp)
+    return torch.where(infinite, float("-inf"), gate)
 
 
 def kda_lower_bound_gate(

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.chunk_delta_h import chunk_span
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.common.intra import diagonal_split_factors, in_this_launch
+from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, in_this_launch, nonfinite_part
 from cp_linattn.ops.launch import launch_options, split_launch, tiles
 
 CHUNK_SIZE = 64
@@ -54,7 +54,9 @@ def substitution_step(a_ptr, r0, i, b_x, chunk_len, stride, BC: tl.constexpr):
     before i in b_x (the rest still identity rows): e_i - sum_{j < i} L_ij (row j)."""
     o = tl.arange(0, BC)
     b_l = tl.load(a_ptr + (r0 + i) * stride + r0 + o, mask=(o < i) & (r0 + i < chunk_len), other=0)
-    b_row = -tl.sum(b_l.to(tl.float32)[:, None] * b_x, axis=0)
+    # only the lower entries of the rows (j >= column): a NaN L_ij times the exact zeros above
+    # row j's diagonal would make columns after j NaN, which L_ij does not reach
+    b_row = -tl.sum(tl.where(o[:, None] >= o[None, :], b_l.to(tl.float32)[:, None] * b_x, 0), axis=0)
     return b_x + tl.where(o[:, None] == i, b_row[None, :], 0)
 
 
@@ -258,8 +260,13 @@ def kda_intra_wy_fwd_kernel(
         store_sub_block(a_ptr, BC, BC, tl.where(strict, b_akk_11, 0) * b_b1, chunk_len, a_stride, BC)
         store_sub_block(a_ptr, 2 * BC, 2 * BC, tl.where(strict, b_akk_22, 0) * b_b2, chunk_len, a_stride, BC)
         store_sub_block(a_ptr, 3 * BC, 3 * BC, tl.where(strict, b_akk_33, 0) * b_b3, chunk_len, a_stride, BC)
-        b_l10, b_l20, b_l21 = b_akk_10 * b_b1, b_akk_20 * b_b2, b_akk_21 * b_b2
-        b_l30, b_l31, b_l32 = b_akk_30 * b_b3, b_akk_31 * b_b3, b_akk_32 * b_b3
+        # Non-finite entries of L left out of the merge's dots (the rows of the diagonal inverses
+        # that they reach are non-finite already): against those inverses' exact zeros above the
+        # diagonal they would make entries NaN that they do not reach.
+        b_l10, b_l20, b_l21 = (finite_or_zero(b_akk_10 * b_b1), finite_or_zero(b_akk_20 * b_b2),
+                               finite_or_zero(b_akk_21 * b_b2))
+        b_l30, b_l31, b_l32 = (finite_or_zero(b_akk_30 * b_b3), finite_or_zero(b_akk_31 * b_b3),
+                               finite_or_zero(b_akk_32 * b_b3))
         tl.debug_barrier()
         b_x0, b_x1, b_x2, b_x3 = invert_diagonal_sub_blocks(a_ptr, chunk_len, a_stride, BC)
         # block forward substitution: X_ij = -X_ii sum_{j <= m < i} L_im X_mj
@@ -293,7 +300,12 @@ def kda_intra_wy_fwd_kernel(
         b_g_last = tl.load(gk + i_last * K + o_k, mask=m_k, other=0)
         b_eg = tl.exp(b_g)
         p_out = hv_rows[:, None] * K + o_k[None, :]
-        b_w = tl.dot(b_a, (b_k * b_eg * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+        # A's zeros above the diagonal would carry a non-finite row to earlier rows (0 * NaN):
+        # the dot takes the finite entries, the others join their own row (A's diagonal is 1;
+        # k read again, as the tile kept alive across the dot spilled more registers)
+        b_w = tl.dot(b_a, finite_or_zero(b_k * b_eg * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+        b_w += nonfinite_part(tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0)).to(tl.float32) \
+            * b_eg * b_beta[:, None]
         tl.store(w + p_out, b_w.to(w.dtype.element_ty), mask=m_ck)
         tl.store(qg + p_out, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_ck)
         b_kg = b_k * tl.exp(tl.where(m_ck, b_g_last[None, :] - b_g, float("-inf")))
@@ -304,7 +316,8 @@ def kda_intra_wy_fwd_kernel(
             m_cv = m_c[:, None] & (o_v < V)[None, :]
             p_v = hv_rows[:, None] * V + o_v[None, :]
             b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
-            b_u = tl.dot(b_a, (b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+            b_u = tl.dot(b_a, finite_or_zero(b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+            b_u += nonfinite_part(tl.load(v + p_v, mask=m_cv, other=0)).to(tl.float32) * b_beta[:, None]
             tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_cv)
 
 
