@@ -1,11 +1,11 @@
 """Launch settings of every Triton kernel: tile-size caps, warps and software-pipeline stages.
 
-One table, keyed by kernel, so that `scripts/tune_launch.py` can sweep the values on a GPU
-without touching the kernels, and so that the values in use are visible in one place. The
-figures are the ones measured best on an H200 (bf16, H=16, K=V=128, T=32768; see
-BENCHMARKS.md). `BK`/`BV` are upper bounds (`BC`: chunks per program): a launcher uses
-`min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs it). The Triton
-interpreter ignores warps and stages, so the CPU tests run the same tiles as the GPU.
+One table, keyed by kernel, so that `scripts/tools/tune_launch.py` can sweep the values on a
+GPU without touching the kernels, and so that the values in use are visible in one place; the
+values are the ones tuned with that script. `BK`/`BV` are upper bounds (`BC`: chunks per
+program): a launcher uses `min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs
+it). The Triton interpreter ignores warps and stages, so the CPU tests run the same tiles as
+the GPU.
 """
 from __future__ import annotations
 
@@ -18,18 +18,16 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
     # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP. BC
     # chunks per program share one read of the fp32 state tile, which read once per chunk
-    # moved more bytes than the bf16 states it corrects (H100, D=4 shapes, bf16 + fp32
-    # states: 179 us against 191 for BC=1; BENCHMARKS.md).
+    # would move more bytes than the bf16 states it corrects.
     "add_decayed_state": dict(BK=64, BV=64, BC=4, num_warps=4, num_stages=1),
     # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot);
-    # two stages prefetch the next transition (H100, three folds: 48 us against 60 for
-    # BV=16, one stage).
+    # two stages prefetch the next transition.
     "fold_states": dict(BV=32, num_warps=8, num_stages=2),
     "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
     "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
     # The same kernels on a KDA middle rank's fragment under CP, walked in segments side by
     # side (cp_linattn/cp/state.py): wide tiles read each head's K-wide inputs fewer times,
-    # and the segments give back the programs they remove (scripts/bench_walks.py, H200).
+    # and the segments give back the programs they remove.
     "fragment_state_walk": dict(BV=64, num_warps=4, num_stages=3),
     "fragment_grad_walk": dict(BV=64, num_warps=4, num_stages=3),
     # The kernels launched twice (dot and exact diagonal blocks, cp_linattn/ops/common/intra.py)
@@ -50,8 +48,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "kda_bwd_intra_wide": dict(BK=64, num_warps=2, num_stages=1),
     # Sequential walks whose parallelism comes from cutting the sequence into segments
     # (fused_chunk.segment_count, sized from the forward's tiles): wide tiles read each
-    # chunk's inputs fewer times (H100, T=32768: fwd 6.5 -> 1.35 ms, fwd+bwd 33.5 -> 11.9 ms
-    # against 64x64 tiles walked unsegmented).
+    # chunk's inputs fewer times.
     "fused_chunk_gla_fwd": dict(BK=128, BV=128, num_warps=4, num_stages=2),
     "fused_chunk_gla_bwd": dict(BK=64, BV=128, num_warps=4, num_stages=2),
 }

@@ -13,9 +13,8 @@ strong decays (below about -5 per token) take the slow path.
 The chunked GLA and KDA kernels measure the span once, where the gate cumsum is formed
 (`mark_wide_diagonal_blocks`), and run twice: a launch compiled with the dot path only, for
 the chunks whose blocks all fit, and one compiled with the exact path only, for the rest. A
-kernel holding both paths keeps registers for the exact one even where it never runs (both
-spilled more that way, `scripts/kernel_regs.py`). fused_chunk_gla checks the span at run time
-(`within_span`).
+kernel holding both paths keeps registers for the exact one even where it never runs, and
+spills more. fused_chunk_gla checks the span at run time (`within_span`).
 
 With a span of at most 40 every factor lies in [e^-40, e^40] (about [4e-18, 2e17]): bf16 and
 fp32 hold that with full relative precision, and a product of two factors of the same pair
@@ -61,12 +60,11 @@ def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl
     at most the sum of |x| between r and m, so the block is measured by two sums of |x|, from
     its first row (exclusive) to m and from m (exclusive) to its last row: the span itself for
     the non-positive gates the ops take, an upper bound of it for any sign. All blocks' sums
-    come from one tf32 dot with a 0/1 segment matrix (the earlier per-block passes over the
-    tile made the marking cumsum twice as slow as the reverse one; an fp32 dot on the FMA
-    units took 512 FMAs per thread, sm_90a PTX): tf32 rounds each |x| by at most 2^-11, so a
-    block may pass at a span 0.05% above SPAN_LIMIT, far inside the limit's margin (factors of
-    e^40 against fp32's e^88). The int32 starts at 0; the K tiles of a chunk OR their bits
-    into it.
+    come from one tf32 dot with a 0/1 segment matrix (cheaper than a pass over the tile per
+    block, or an fp32 dot, which runs on the FMA units): tf32 rounds each |x| by at most
+    2^-11, so a block may pass at a span 0.05% above SPAN_LIMIT, far inside the limit's margin
+    (factors of e^40 against fp32's e^88). The int32 starts at 0; the K tiles of a chunk OR
+    their bits into it.
     """
     tl.static_assert(2 * NC <= 16, "one 16-row segment matrix covers the sums of up to 8 blocks")
     o_w = tl.arange(0, 16)
@@ -110,8 +108,7 @@ def diagonal_split_factors(g_first, row_stride, b_g, o, m_r, o_k, m_k, rows, lev
     with i in the lower and j in the upper half of the same group of BC >> level rows,
     reference r the upper half's last row: rowfac = exp(b_i - b_r), colfac = exp(b_r - b_j),
     both <= 1 under any decay. The levels cover every pair i > j once, one dot each: the
-    exact path, where a loop over the block's columns had made the exact launches about four
-    times as slow per block as the dot ones.
+    exact path, much cheaper than a loop over the block's columns.
 
     Returns rowfac, colfac (fp32 `[R, BK]`, 0 on rows outside the split) and the `[R, R]`
     mask of the split's pairs (all true without BISECT).

@@ -121,8 +121,7 @@ def chunk_gla_fwd_o_kernel(
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    # t0 in int64, like the offsets it enters: chunk_span's int32 made this kernel spill 1060
-    # bytes instead of 872 on sm_90a (scripts/kernel_regs.py; KDA's kernels prefer the int32)
+    # t0 in int64, like the offsets it enters: fewer register spills here than with chunk_span's int32
     t0 = t0.to(tl.int64)
     if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
         return
@@ -157,7 +156,7 @@ def chunk_gla_fwd_o_kernel(
     # A's zeros above the diagonal would carry a non-finite v to earlier rows (0 * NaN): the dot
     # takes the finite entries, and the others join their own row only
     b_o = b_o * scale + tl.dot(b_a, finite_or_zero(b_v), input_precision=DOT_PREC)
-    # (read again: the tile kept alive across the dot spilled more registers)
+    # (read again: keeping the tile alive across the dot spills more registers)
     b_o += nonfinite_part(tl.load(v + v_offs, mask=m_tv, other=0))
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=m_tv)
 

@@ -1,4 +1,4 @@
-"""Fused chunked Gated Linear Attention with the seed's `fused_chunk_gla` API.
+"""Fused chunked Gated Linear Attention, with the head-first `fused_chunk_gla` API.
 
 `S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T`, `o_t = scale * S_t^T q_t`, gates in natural log.
 
@@ -7,12 +7,12 @@
 state is ever written to memory, and the intra-chunk attention is computed in the same kernel.
 
 Segments. A walk is sequential, so one program per state block would leave the GPU idle on
-long sequences with few heads (B=1, H=16, K=V=128: 16 programs of 128x128 tiles for 132
-SMs). So each sequence is cut into S segments of `seg_chunks` whole chunks (the last one
-shorter), walked side by side on a program-id axis, and stitched with the exact algebra of
-the recurrence, which is linear in the state with diagonal transitions: a segment maps its
-entering state x to `Diag(d_s) x + u_s`, d_s the exp of its gate total and u_s its final
-state from zero.
+long sequences with few heads (B=1, H=16, K=V=128: 16 programs of 128x128 tiles for a GPU
+of over a hundred SMs). So each sequence is cut into S segments of `seg_chunks` whole chunks
+(the last one shorter), walked side by side on a program-id axis, and stitched with the exact
+algebra of the recurrence, which is linear in the state with diagonal transitions: a segment
+maps its entering state x to `Diag(d_s) x + u_s`, d_s the exp of its gate total and u_s its
+final state from zero.
 - Forward: a state-only pass (no output) gives every (u_s, d_s); an fp32 scan over segments
   gives each segment's entering state (the user's initial state enters segment 0); the full
   pass then walks every segment from its entering state and writes o. The scan's last state
@@ -595,11 +595,11 @@ def fused_chunk_gla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated Linear Attention, fused chunked kernels (forward and backward).
 
-    The default layout is head-first, `[B, H, T, K]` (`head_first=True`, the seed's API),
-    unlike every other op here: pass `head_first=False` for `[B, T, H, K]` tensors. The
-    shapes of q, k, v, g alone cannot tell the layouts apart, so tensors in the other layout
-    are silently read with T and H swapped; an `initial_state` that fits only the other
-    layout raises.
+    The default layout is head-first, `[B, H, T, K]` (`head_first=True`, kept for API
+    compatibility), unlike every other op here: pass `head_first=False` for `[B, T, H, K]`
+    tensors. The shapes of q, k, v, g alone cannot tell the layouts apart, so tensors in the
+    other layout are silently read with T and H swapped; an `initial_state` that fits only the
+    other layout raises.
 
     Args:
         q, k: `[B, H, T, K]` if `head_first` else `[B, T, H, K]`, fp32/fp16/bf16 (one dtype

@@ -17,11 +17,9 @@ from cp_linattn.ops.utils import (check_flag, check_scale, check_tensor, kernel_
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
 # Always kept for the backward: the state pass is the sequential one, costly to redo. h stays
-# fp32: with bf16 states, CP and single-rank bf16 runs differed by up to 1e-1 (bench_cp), as the
-# gate gradient's rowsum(h * dh) cancels. The fp32 gate cumsum is kept too (a pass over g saved,
-# 0.12 ms at T=32768, HV=16 on the H200, for T * HV * K * 4 bytes), with its per-chunk bits of
-# the diagonal blocks too wide for the dot path; the intra-chunk WY quantities are rebuilt
-# unless disable_recompute.
+# fp32, as the gate gradient's rowsum(h * dh) cancels. The fp32 gate cumsum is kept too (a pass
+# over g saved, for T * HV * K * 4 bytes), with its per-chunk bits of the diagonal blocks too
+# wide for the dot path; the intra-chunk WY quantities are rebuilt unless disable_recompute.
 KEPT = ("h", "v_new", "gk", "wide")
 RECOMPUTED = ("w", "qg", "kg")
 

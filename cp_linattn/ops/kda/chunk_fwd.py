@@ -106,7 +106,7 @@ def kda_output_kernel(
     b_vn = tl.load(v_new + rows[:, None] * V + o_v[None, :], mask=m_cv, other=0)
     # Aqk's zeros above the diagonal would carry a non-finite v_new to earlier rows (0 * NaN):
     # the dot takes the finite entries, and the others join their own row only, as v - v (0, or
-    # NaN for NaN and inf: no mask kept across the dot, which spilled registers)
+    # NaN for NaN and inf: no mask kept across the dot, which spills registers)
     b_o = b_o * scale + tl.dot(b_a.to(b_vn.dtype), finite_or_zero(b_vn), input_precision=DOT_PREC)
     b_o += (b_vn - b_vn).to(tl.float32)
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_cv)
