@@ -90,17 +90,14 @@ import triton.testing
 # believes it is rank r of D).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-# Run from a checkout whether or not the package is installed (an install may point elsewhere).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import cp_linattn.cp.comm as cp_comm  # noqa: E402
-import cp_linattn.cp.guard as cp_guard  # noqa: E402
-import cp_linattn.ops.gla.chunk as gla_chunk  # noqa: E402
-import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd  # noqa: E402
-import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd  # noqa: E402
-from cp_linattn import build_cp_context, chunk_gla, chunk_kda  # noqa: E402
-from cp_linattn.cp import FLACPContext, shard  # noqa: E402
-from tune_launch import profile_kernels  # noqa: E402  (scripts/ is on the path: it holds this file)
+import cp_linattn.cp.comm as cp_comm
+import cp_linattn.cp.guard as cp_guard
+import cp_linattn.ops.gla.chunk as gla_chunk
+import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd
+import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd
+from benchlib import profile_kernels  # scripts/benchlib.py
+from cp_linattn import build_cp_context, chunk_gla, chunk_kda
+from cp_linattn.cp import FLACPContext, shard
 
 TARGET_PCT = 10.0
 CPU_REPS = 2  # the interpreter is slow and its timings mean nothing beyond "it runs"

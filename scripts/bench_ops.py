@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 
-H, K, V = 16, 128, 128
+from benchlib import H, K, V, make_op, varlen_cu_seqlens  # scripts/benchlib.py
 
 
 def _measure_copy_bandwidth() -> float:
@@ -28,66 +27,6 @@ def _measure_copy_bandwidth() -> float:
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
     return 2 * x.numel() * x.element_size() / (ms * 1e-3)
-
-
-def _varlen_cu_seqlens(total: int, seed: int = 0) -> torch.Tensor:
-    """Mixed document lengths (64..8192, log-uniform), packed to exactly `total` tokens."""
-    g = torch.Generator().manual_seed(seed)
-    lens, left = [], total
-    while left > 0:
-        n = int(math.exp(torch.empty(1).uniform_(math.log(64), math.log(8192), generator=g).item()))
-        n = min(n, left)
-        lens.append(n)
-        left -= n
-    return torch.tensor([0] + lens).cumsum(0).cuda()
-
-
-def _inputs(op: str, T: int, HV: int):
-    torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(1, T, H, K, device=dev, dtype=dt)
-    k = torch.randn(1, T, H, K, device=dev, dtype=dt)
-    if op.startswith("kda"):
-        q, k = F.normalize(q.float(), dim=-1).to(dt), F.normalize(k.float(), dim=-1).to(dt)
-    v = torch.randn(1, T, HV, V, device=dev, dtype=dt)
-    g = F.logsigmoid(torch.randn(1, T, HV, K, device=dev, dtype=torch.float32)).to(dt)
-    beta = torch.rand(1, T, HV, device=dev, dtype=dt)
-    return q, k, v, g, beta
-
-
-def make_op(name: str, lib: str, T: int, cu_seqlens):
-    """Returns (callable producing the output, list of leaf tensors needing grad)."""
-    HV = 2 * H if "gva" in name else H
-    q, k, v, g, beta = _inputs(name, T, HV)
-    extra = {}
-    if name.startswith("kda_gate"):
-        g = torch.randn_like(g)
-        if name == "kda_gate":  # strong decays, up to -29 per token: many diagonal blocks take the exact path
-            A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
-        else:  # as the KDA layer initialises them (decay rates in [1, 16], dt in [1e-3, 1e-1])
-            from cp_linattn.layers.kda import init_gate_parameters
-            A_log, dt_bias = init_gate_parameters(HV, K)
-        extra = dict(use_gate_in_kernel=True, A_log=A_log.cuda(), dt_bias=dt_bias.cuda())
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    if name == "sdpa":
-        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-        return (lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)), leaves
-    if lib == "fla":
-        from fla.ops.gla import chunk_gla as fla_chunk_gla
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-    if name in ("gla", "fused_gla"):
-        if lib == "ours":
-            from cp_linattn import chunk_gla, fused_chunk_gla
-            if name == "fused_gla":
-                return (lambda: fused_chunk_gla(q, k, v, g, head_first=False)[0]), leaves
-            return (lambda: chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
-        return (lambda: fla_chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
-    fn = None
-    if lib == "ours":
-        from cp_linattn import chunk_kda as fn
-    else:
-        fn = fla_chunk_kda
-    return (lambda: fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, **extra)[0]), leaves
 
 
 def _bytes_moved(name: str, T: int, fwd_only: bool) -> int:
@@ -188,7 +127,7 @@ def main() -> None:
         for T in args.T + ([None] if group != "sdpa" and args.varlen_total > 0 else []):
             cu = None
             if T is None:
-                T, cu = args.varlen_total, _varlen_cu_seqlens(args.varlen_total)
+                T, cu = args.varlen_total, varlen_cu_seqlens(args.varlen_total)
             for name, lib in CASES[group]:
                 if name == "fused_gla" and cu is not None:
                     continue

@@ -1,11 +1,23 @@
-"""The host side of scripts/bench_ops.py (its measurements need a GPU): tables and plot from
-stored rows, and the byte/FLOP counts of every benchmarked op."""
+"""The scripts' host sides and smoke modes: the user benchmarks (scripts/bench_ops.py: tables
+and plot from stored rows, the byte/FLOP counts of every benchmarked op; scripts/bench_cp.py)
+and the maintainer tools (scripts/tools/).
+
+Each is imported as its documented command runs it: a user benchmark as the file
+`python scripts/<name>.py` runs, with scripts/ on the path (it imports scripts/benchlib.py as
+`benchlib`); a tool as the module `scripts.tools.<name>` (`python -m` from the repository root,
+which pytest's `pythonpath = ["."]` puts on the path)."""
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,12 +25,61 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench_ops():
-    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "scripts" / "bench_ops.py")
+def load_benchmark(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """scripts/<name>.py as `python scripts/<name>.py` loads it: scripts/ first on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # bench_cp's dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def load_tool(name: str) -> ModuleType:
+    """scripts/tools/<name>.py as `python -m scripts.tools.<name>` loads it."""
+    module = importlib.import_module(f"scripts.tools.{name}")
+    assert Path(module.__file__) == ROOT / "scripts" / "tools" / f"{name}.py"
+    return module
+
+
+# Each script as its documented command runs it (README.md, scripts/tools/README.md).
+COMMANDS = {"bench_ops": ["scripts/bench_ops.py"], "bench_cp": ["scripts/bench_cp.py"],
+            **{tool: ["-m", f"scripts.tools.{tool}"] for tool in ("tune_launch", "profile_ncu", "bench_walks",
+                                                                  "kernel_regs")}}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_documented_command_starts(name):
+    """Every script starts (its imports resolve, --help answers) as documented, from the
+    repository root with only the package on the path: no sys.path edit needed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the package, as `pip install -e .` makes it importable
+    done = subprocess.run([sys.executable, *COMMANDS[name], "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+def test_scripts_share_code_only_through_benchlib():
+    """No script edits sys.path or imports another script (what they share is in
+    scripts/benchlib.py), and none names a path of a particular machine."""
+    files = sorted((ROOT / "scripts").rglob("*.py"))
+    scripts = {path.stem for path in files} - {"benchlib", "__init__"}
+    assert {"bench_ops", "bench_cp", "tune_launch", "profile_ncu", "bench_walks", "kernel_regs"} <= scripts
+    for path in files:
+        text = path.read_text()
+        assert not re.search(r"(?<![\w.~])/(tmp|root|home|work|scratch)/", text), path
+        for node in ast.walk(ast.parse(text)):
+            assert not (isinstance(node, ast.Attribute) and node.attr == "path"
+                        and isinstance(node.value, ast.Name) and node.value.id == "sys"), (path, node.lineno)
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in modules:
+                assert module.split(".")[-1] not in scripts, (path, module)
+
+
+@pytest.fixture(scope="module")
+def bench_ops():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield load_benchmark("bench_ops", monkeypatch)
 
 
 def test_render_stored_rows(bench_ops, tmp_path, monkeypatch):
@@ -52,11 +113,7 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     larger of its pre-process share and its CP excess, which also sees what the local
     kernels do differently under CP), its longest kernels first, then the kernels whose time
     differs most between its CP call and its local call."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "scripts" / "bench_cp.py")
-    bench_cp = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_cp", bench_cp)  # its dataclasses look their module up
-    spec.loader.exec_module(bench_cp)
+    bench_cp = load_benchmark("bench_cp", monkeypatch)
 
     def row(op, r, f, b, excess_pct):
         return dict(op=op, D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b, local_fwd_bwd_kernel_ms=1.0,
@@ -81,14 +138,13 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_launch_sequence_shows_both_launches_of_a_split_kernel(monkeypatch):
-    """tune_launch.py --sequence: one warm kda_gate call lists its launches in order, the
+def test_launch_sequence_shows_both_launches_of_a_split_kernel():
+    """tune_launch --sequence: one warm kda_gate call lists its launches in order, the
     split kernels' dot and exact launches one after the other, each with a positive time."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("tune_launch", ROOT / "scripts" / "tune_launch.py")
-    tune_launch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_launch)
-    launches = tune_launch.launch_sequence(tune_launch.warm_fwd_bwd_step("kda_gate", 256))
+    tune_launch = load_tool("tune_launch")
+    from scripts.benchlib import warm_fwd_bwd_step
+
+    launches = tune_launch.launch_sequence(warm_fwd_bwd_step("kda_gate", 256))
     names = [name for name, _ in launches]
     assert all(ms > 0 for _, ms in launches)
     for kernel in ("kda_intra_wy_fwd", "kda_bwd_intra"):
@@ -101,11 +157,7 @@ def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     both receives and sends, one that sends no state): it captures each rank's pre-process
     calls (a KDA rank takes one of two alternatives per direction) and its output and
     gradients match the single-rank run."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "scripts" / "bench_cp.py")
-    bench_cp = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_cp", bench_cp)
-    spec.loader.exec_module(bench_cp)
+    bench_cp = load_benchmark("bench_cp", monkeypatch)
     out = tmp_path / "cp.json"
     monkeypatch.setattr(sys, "argv", ["bench_cp.py", "--smoke", "--ops", "kda", "gla", "--degrees", "3", "--T", "150",
                                       "--H", "1", "--K", "16", "--V", "16", "--json", str(out)])
@@ -115,13 +167,10 @@ def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     assert all(r["max_rel_err"] < 1e-5 for r in rows), [(r["op"], r["rank"], r["max_rel_err"]) for r in rows]
 
 
-def test_bench_walks_smoke_checks_every_setting(monkeypatch, capsys):
-    """bench_walks.py --smoke (CPU, no timing): every (BV, segments) setting's messages agree
+def test_bench_walks_smoke_checks_every_setting(capsys):
+    """tools/bench_walks --smoke (CPU, no timing): every (BV, segments) setting's messages agree
     with the plain walk, one table row each."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_walks", ROOT / "scripts" / "bench_walks.py")
-    bench_walks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_walks)
+    bench_walks = load_tool("bench_walks")
     bench_walks.main(["--smoke", "--BV", "16", "32", "--warps", "4", "--segments", "1", "2", "5"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert [(row[1], row[3]) for row in rows] == [("16", "1"), ("16", "2"), ("16", "5"),
@@ -129,12 +178,13 @@ def test_bench_walks_smoke_checks_every_setting(monkeypatch, capsys):
 
 
 def test_profile_ncu_tabulates_a_details_report():
-    """profile_ncu.py reads ncu's `--csv --page details` report (messages before its header
+    """tools/profile_ncu reads ncu's `--csv --page details` report (messages before its header
     skipped, durations in any unit, numbers with thousands separators, a later section's metric
     of the same name ignored) and merges the launches of one kernel: durations summed, the other metrics weighted by duration."""
-    spec = importlib.util.spec_from_file_location("profile_ncu", ROOT / "scripts" / "profile_ncu.py")
-    profile_ncu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_ncu)
+    profile_ncu = load_tool("profile_ncu")
+    child = profile_ncu.ncu_command("ncu", "kda", "ours", 256, Path("r.csv"))
+    assert child[child.index(sys.executable):] == [sys.executable, "-m", "scripts.tools.profile_ncu", "--child",
+                                                   "kda:ours", "--T", "256"]
     def stall(reason):
         return f"{profile_ncu.STALL_PREFIX}{reason}{profile_ncu.STALL_SUFFIX}"
 

@@ -125,7 +125,7 @@ def test_both_diagonal_paths_in_one_call():
 
 @pytest.mark.parametrize("caps", [dict(BK=16, BV=16), dict(BK=32, BV=64), dict(BK=64, BV=128)])
 def test_tile_caps_of_the_launch_table(monkeypatch, caps):
-    """scripts/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
+    """scripts/tools/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
     the GLA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
     several tiles, masked tails; BK=32 / BV=64 is the setting of the dq/dk/dg kernel that
     faulted on the H200 at 4 warps, BENCHMARKS.md)."""

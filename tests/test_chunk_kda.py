@@ -256,7 +256,7 @@ def test_head_dims_not_powers_of_two():
 
 @pytest.mark.parametrize("caps", [dict(BK=16, BV=16), dict(BK=32, BV=64), dict(BK=64, BV=128)])
 def test_tile_caps_of_the_launch_table(monkeypatch, caps):
-    """scripts/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
+    """scripts/tools/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
     the KDA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
     several tiles, masked tails)."""
     set_tile_caps(monkeypatch, ("kda_", "delta_rule_"), caps)

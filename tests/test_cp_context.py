@@ -180,6 +180,8 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "comm": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), comm="send_recv" if rank == 0 else "all_gather")),
         "split": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), split=[4, 4, 4] if rank else [2, 5, 5])),
         "conv": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), conv1d_kernel_size=rank + 2)),
+        "one_rank_bad_device": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]),
+                                                                      device="nowhere" if rank == 1 else None)),
     }
     # still in step after all those failures; explicit and default spellings of a split agree
     ctx = build_cp_context(cu, comm="send_recv", split=[4, 3, 3] if rank == 2 else None)
@@ -227,5 +229,6 @@ def test_bad_or_mismatched_arguments_raise_on_every_rank_without_hanging():
         for case, msg in mismatched.items():
             assert msg.startswith("ValueError: cu_seqlens differ across ranks"), (rank, case, msg)
     assert "rank 1: invalid arguments" in per_rank[0][2]["one_rank_invalid"]
+    assert "rank 1: invalid arguments" in per_rank[0][2]["one_rank_bad_device"]
     assert "this rank: ValueError: cu_seqlens must be non-decreasing" in per_rank[1][2]["one_rank_invalid"]
     assert "rank 2: T=12, N=2" in per_rank[2][2]["cu"]

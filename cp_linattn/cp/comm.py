@@ -14,6 +14,7 @@ travel through the CPU, CPU tensors over NCCL travel through the current CUDA de
 
 None of these functions is differentiable: they run inside the forward/backward of our
 autograd Functions on detached tensors, and their outputs carry no autograd history.
+What each transport carries: cp/README.md, section 6.
 """
 from __future__ import annotations
 

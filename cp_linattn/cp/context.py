@@ -12,7 +12,7 @@ global states fills the empty ones itself: their final state is their initial st
 
 `build_cp_context` computes everything from the global metadata, which every rank must
 pass identically; it checks that with one small all-gather, so that no rank is left
-waiting in a later collective with inconsistent metadata.
+waiting in a later collective with inconsistent metadata. Notation: cp/README.md, section 1.
 """
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def _agree(plan: _Plan | None, error: Exception | None, raw: tuple, world_size: 
     leave the others waiting in it. Identical invalid arguments raise their own error on
     every rank; any difference raises "cu_seqlens differ across ranks" on every rank.
     """
-    if plan is not None:
+    if plan is not None and error is None:
         fp = [1, world_size, int(plan.cu[-1]), plan.cu.numel() - 1,
               _digest(plan.cu, plan.split, plan.comm, plan.conv1d_kernel_size)]
     else:
@@ -256,8 +256,8 @@ def _agree(plan: _Plan | None, error: Exception | None, raw: tuple, world_size: 
         for r, row in enumerate(rows)
     )
     msg = (
-        "cu_seqlens differ across ranks: build_cp_context needs the same global cu_seqlens, split, comm and "
-        f"conv1d_kernel_size on every rank of the group, got {desc}"
+        "cu_seqlens differ across ranks: build_cp_context needs the same global cu_seqlens, split, comm, "
+        f"conv1d_kernel_size and a valid device on every rank of the group, got {desc}"
     )
     if error is not None:
         msg += f" (this rank: {type(error).__name__}: {error})"
@@ -321,7 +321,7 @@ def build_cp_context(
             device = torch.device(device)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
-    raw = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, split, comm, conv1d_kernel_size)
+    raw = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, split, comm, conv1d_kernel_size, device)
     _agree(plan, error, raw, world_size, group)
 
     if device is None:

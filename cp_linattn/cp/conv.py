@@ -9,7 +9,8 @@ Forward: every rank all-gathers the last W-1 token rows of every rank and picks 
 the W-1 global positions before its first token that belong to its first local sequence
 (zero rows elsewhere). Backward: the halo gradients are all-gathered and each rank adds the
 ones aimed at its own tail rows. Which row goes where follows from the global sharding
-metadata alone, so every rank computes the same table without talking.
+metadata alone, so every rank computes the same table without talking (cp/README.md,
+section 8).
 """
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ the argument and the rank at fault, before any kernel or exchange.
 
 The record travels over a group that moves CPU tensors without touching the device (gloo;
 `cp_linattn.cp.comm.host_group`), so the check never waits for queued GPU work: its cost is
-one small CPU all-gather per call.
+one small CPU all-gather per call (cp/README.md, section 9).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import TypeVar
@@ -32,12 +33,20 @@ Signature = dict[str, object]
 
 
 def _encode(record: dict) -> torch.Tensor:
-    """The record as a zero-padded uint8 `[RECORD_BYTES]` tensor (a long message is cut)."""
+    """The record as a zero-padded uint8 `[RECORD_BYTES]` tensor. Past that size a long error
+    message is cut, then the signature's values are replaced by their digests (still
+    compared exactly, named in a mismatch by entry only)."""
     data = json.dumps(record).encode()
-    if len(data) > RECORD_BYTES:
-        overflow = len(data) - RECORD_BYTES + 3
-        record = dict(record, error=record["error"][: max(0, len(record["error"]) - overflow)] + "...")
+    if len(data) > RECORD_BYTES and record["error"] is not None:
+        keep = max(0, len(record["error"]) - (len(data) - RECORD_BYTES + 3))
+        record = dict(record, error=record["error"][:keep] + "...")
         data = json.dumps(record).encode()
+    if len(data) > RECORD_BYTES:
+        digests = {name: hashlib.blake2b(value.encode(), digest_size=6).hexdigest()
+                   for name, value in record["sig"].items()}
+        data = json.dumps(dict(record, sig=digests)).encode()
+    if len(data) > RECORD_BYTES:
+        raise ValueError(f"the call's signature has too many entries for the {RECORD_BYTES}-byte record")
     buf = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf

@@ -1,30 +1,12 @@
-"""Boundary states under context parallelism: exchange and fp32 merge.
+"""Boundary states under context parallelism: pre-processes, exchange and fp32 merge.
 
-A rank's last local sequence may continue on later ranks; its first may have started on
-earlier ones. Over a fragment the recurrence is affine in the entering state,
-`S -> M S + S_ext`, with M `[H, K]` (GLA: the diagonal of the total gate product) or
-`[H, K, K]` (KDA: the product of the chunks' delta-rule transitions). Each rank computes
-`(S_ext, M)` of its last fragment, the ranks exchange them, and every rank folds the
-fragments of the earlier ranks that share its first
-sequence: `S = 0; for j in prev: S = M_j S + S_ext_j`. The backward is the same fold in
-reverse time with transposed transitions: `dS = 0; for j in later (far to near):
-dS = M_j^T dS + dS_ext_j`, where dS_ext_j is the gradient leaving rank j's first fragment
-with no gradient arriving from beyond rank j.
-
-Where the messages come from. In each direction, a rank that receives nothing runs its
-local pass first and sends that pass's result, with no pass of its own; a rank that sends
-nothing receives first and starts its local pass from what it received. A rank that does
-both (a middle rank) needs its message before what it receives is known: KDA walks the
-fragment with its state kernel before its local pass (forward: its last fragment; backward:
-its first, in reverse; cut into segments walked side by side where the device has room,
-`FragmentSegments`); GLA runs its local pass from zero, sends that pass's result, and adds
-the received state to the stored states afterwards (the recurrence is linear and its
-transitions diagonal; KDA's state enters v_new, which cannot be corrected that way). M is
-only read for a fragment that continues through its rank (the folds start from an origin
-rank's S_ext), so KDA sends zeros for the others.
-
-Every exchanged state is fp32 `[H, K, V]` per sequence (KDA's `state_v_first` layout is
-turned into `[K, V]` by the op before it gets here).
+Over a fragment the recurrence is affine in the entering state, `S -> M S + S_ext` (M `[H, K]`
+for GLA, `[H, K, K]` for KDA). Each rank exchanges `(S_ext, M)` of its last fragment and folds
+those of the earlier ranks that share its first sequence; the backward folds the gradients
+of the later ranks with `M^T`. Which rank computes what and when (GLA's middle ranks correct
+their states after the exchange, KDA's walk their fragment before it), the segments and the
+initial/final states: cp/README.md, sections 2-5 and 7. Every exchanged state is fp32
+`[H, K, V]` (K-first: the ops turn `state_v_first` states round before calling here).
 """
 from __future__ import annotations
 
@@ -42,9 +24,8 @@ from cp_linattn.ops.common.chunk_h import add_decayed_state, fold_states
 from cp_linattn.ops.utils import whole_chunk_segments
 
 CHUNK_SIZE = 64
-# The forward fold chains the segments one K x K product after another: past 8 segments it
-# cost more than the shorter walks saved (H200, HV=4: 16 segments took both walks from 0.24
-# to 0.44 ms; scripts/bench_walks.py).
+# Past 8 segments the fold's chained K x K products cost more than the shorter walks save
+# (scripts/tools/bench_walks.py measures it).
 MAX_SEGMENTS = 8
 
 
@@ -74,12 +55,18 @@ class BoundaryExchange:
 def exchange_forward(
     S_ext: torch.Tensor, M: torch.Tensor, context: FLACPContext
 ) -> tuple[torch.Tensor | None, BoundaryExchange]:
-    """Forward pre-process merge: the fp32 state entering this rank's first local sequence.
+    """Forward exchange and merge: the fp32 state entering this rank's first local sequence.
 
-    S_ext `[H, K, V]`, M `[H, K]` or `[H, K, K]`: this rank's last fragment's contribution and
-    transition (any values when `post_num_ranks == 0`: nobody reads them). Collective over
-    `context.group`: every rank must call it. Returns (None if the first local sequence
-    starts on this rank, and the record for the backward).
+    Collective over `context.group`: every rank must call it (cp/README.md, sections 2 and 6).
+
+    Args:
+        S_ext: `[H, K, V]`, the last fragment's final state from a zero start; M: its
+            transition, `[H, K]` or `[H, K, K]` (any values when `post_num_ranks == 0`:
+            nobody reads them).
+
+    Returns:
+        (S_in fp32 `[H, K, V]`, or None when the first local sequence starts on this rank;
+        the `BoundaryExchange` record for the backward).
     """
     S_ext, M = S_ext.float().contiguous(), M.float().contiguous()
     if context.comm == "all_gather":
@@ -99,11 +86,17 @@ def exchange_forward(
 
 
 def exchange_backward(dS_ext: torch.Tensor, record: BoundaryExchange) -> torch.Tensor | None:
-    """Backward pre-process merge: the gradient arriving at the end of this rank's last
-    local sequence from the later ranks (its `dht`), or None when that sequence ends here.
+    """Backward exchange and merge: the gradient arriving at the end of this rank's last
+    local sequence from the later ranks (its `dht` row). Collective (cp/README.md, sections 2
+    and 6).
 
-    dS_ext `[H, K, V]`: the gradient leaving this rank's first fragment when no gradient
-    arrives from later ranks (any values when `pre_num_ranks == 0`). Collective.
+    Args:
+        dS_ext: `[H, K, V]`, the gradient leaving this rank's first fragment when none arrives
+            from later ranks (any values when `pre_num_ranks == 0`).
+        record: the forward's `BoundaryExchange`.
+
+    Returns:
+        fp32 `[H, K, V]`, or None when the last local sequence ends here.
     """
     context = record.context
     dS_ext = dS_ext.float().contiguous()
@@ -124,13 +117,12 @@ def exchange_backward(dS_ext: torch.Tensor, record: BoundaryExchange) -> torch.T
 def expand_h0(
     S_in: torch.Tensor | None, initial_state: torch.Tensor | None, context: FLACPContext, state_shape: tuple[int, ...]
 ) -> torch.Tensor | None:
-    """The local `[num_seqs, *state_shape]` initial states of this rank's sequences.
+    """The local `[num_seqs, *state_shape]` initial states (cp/README.md, section 7).
 
-    Row i is the user's state of global sequence `seq_ids[i]` when that sequence starts on this
-    rank (`initial_state` is `[N_global, *state_shape]`, the same on every rank), and the merged
-    incoming state S_in for a first sequence that started on an earlier rank (zero with S_in
-    None: the state is added afterwards, as GLA's middle ranks do). None when every row would
-    be zero (saves the kernels a read).
+    Row i is the user's state of global sequence `seq_ids[i]` when it starts on this rank
+    (`initial_state`: `[N_global, *state_shape]`, the same on every rank); row 0 of a sequence
+    begun on an earlier rank is S_in (zero when S_in is None: GLA's middle ranks add it
+    afterwards). None when every row would be zero (saves the kernels a read).
     """
     if S_in is None and initial_state is None:
         return None
@@ -148,12 +140,10 @@ def expand_h0(
 def compress_h0(
     dh0_local: torch.Tensor | None, context: FLACPContext, num_global: int, dht_global: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """Gradient of the user's `[N_global, ...]` initial_state from the local `[num_seqs, ...]` one.
-
-    Only rows of sequences that start on this rank carry a gradient here (summing the result
-    over the ranks of the group gives the full gradient; the incoming row of a continued
-    sequence belongs to the boundary exchange, not to the user). Rank 0 also owns the empty
-    sequences, whose final state is their initial state: their rows get `dht_global`'s.
+    """Gradient of the user's `[N_global, ...]` initial_state from the local `[num_seqs, ...]`
+    one: the rows of the sequences that start on this rank, zeros elsewhere (the sum over the
+    group is the full gradient); rank 0 gives the empty sequences `dht_global`'s rows
+    (cp/README.md, section 7).
     """
     if dh0_local is None:
         return None
@@ -172,7 +162,7 @@ def scatter_final_state(
     """`[N_global, ...]` final states from the local `[num_seqs, ...]` ones: rows of the
     sequences that END on this rank; zeros for the others (their state is not final here).
     Summing over the ranks of the group gives every sequence's final state; rank 0 fills the
-    empty sequences (final state = initial state, or zero)."""
+    empty sequences (final state = initial state, or zero). cp/README.md, section 7."""
     out = ht_local.new_zeros(num_global, *ht_local.shape[1:])
     n_own = context.num_seqs - (1 if context.post_num_ranks else 0)
     out[context.seq_ids[:n_own].to(out.device)] = ht_local[:n_own]
@@ -234,12 +224,20 @@ def receive_final_state_grad(dht_global: torch.Tensor | None, record: BoundaryEx
                              message: Callable[[int, torch.Tensor | None], torch.Tensor] | None = None,
                              ) -> torch.Tensor | None:
     """Backward exchange of a rank that receives a gradient (`post_num_ranks > 0`), run
-    before its local reverse pass, around the op's message: `message(end, dht_first)`, fp32
-    `[H, K, V]`, the gradient leaving the first local sequence (tokens [0, end)) with
-    dht_first (its row of dht, layout as the states, or None) arriving at its end; required
-    when an earlier rank reads it (`pre_num_ranks > 0`), else zeros go out. Returns the local
-    dht `[num_seqs, *state_shape]` with the gradient from later ranks in the last sequence's
-    row."""
+    before its local reverse pass (cp/README.md, sections 3 and 4).
+
+    Args:
+        dht_global: gradient of the `[N_global, ...]` final state, or None.
+        record: the forward's `BoundaryExchange`.
+        state_shape: the local states' shape per sequence, `(H, K, V)` (`(H, V, K)` if v_first).
+        message: `message(end, dht_first)` -> fp32 `[H, K, V]`, the gradient leaving the
+            first local sequence (tokens `[0, end)`) with dht_first (its dht row, layout as the
+            states, or None) arriving at its end; required when `pre_num_ranks > 0`, else
+            zeros go out.
+
+    Returns:
+        The local dht `[num_seqs, *state_shape]`, the gradient from later ranks in the last row.
+    """
     context = record.context
     dht = gather_final_state_grad(dht_global, context)
     if context.pre_num_ranks:
@@ -253,26 +251,20 @@ def receive_final_state_grad(dht_global: torch.Tensor | None, record: BoundaryEx
 
 def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[torch.Tensor, torch.Tensor],
                              context: FLACPContext) -> BoundaryExchange:
-    """GLA forward pre-process and merge of a rank that both receives and sends a state
-    (`pre_num_ranks > 0`, `post_num_ranks > 0`), run after its local state pass.
-
-    The local pass (`chunk_fwd_h`) started the first local sequence, which began on an
-    earlier rank, from zero; so it already yields this rank's message: the last fragment's
-    contribution S_ext (its final state from the state it starts with here) and its diagonal
-    transition `exp(total log decay)`. After the exchange, the state S_in entering the first
-    sequence is added to its per-chunk states (and to its final state when it ends here) in
-    place: the recurrence is linear, so `h[c] += Diag(exp decay[c]) S_in` is the rerun from
-    S_in, one pass over those states instead of a walk of the fragment before the local
-    pass. (Adding it inside the kernels that read h, with no pass of its own, measured
-    slower: BENCHMARKS.md.) Ranks that only send run their local pass first and send its
-    final state (`send_final_state`); ranks that only receive receive first and start their
-    local pass from it (`receive_state`).
+    """GLA forward exchange of a middle rank (`pre_num_ranks > 0`, `post_num_ranks > 0`), run
+    after its local pass (`chunk_fwd_h`, the first sequence started from zero): sends that
+    pass's last final state and total decay, then adds the received state to the first
+    sequence's states in place, `h[c] += Diag(exp decay[c]) S_in` (and to its final state when
+    it ends here). cp/README.md, section 4 (correct after).
 
     Args:
         h: `[1, NT, H, K, V]` per-chunk states of the local pass (updated in place).
         ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (row 0 updated in place).
         decays: `chunk_fwd_h(output_decays=True)`'s (decay `[1, NT, H, K]`, total
             `[num_seqs, H, K]`).
+
+    Returns:
+        The `BoundaryExchange` record for the backward.
     """
     decay, total = decays
     S_in, record = exchange_forward(ht[-1], total[-1].exp(), context)
@@ -286,19 +278,15 @@ def gla_apply_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[to
 
 def gla_apply_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Tensor,
                             record: BoundaryExchange) -> None:
-    """GLA backward pre-process and merge of a rank that both receives and sends a gradient,
-    run after its local reverse pass (`chunk_bwd_dh` with the last row of dht zero: that
-    sequence continues on a later rank).
-
-    The local pass's dh0 of the first local sequence is this rank's message, the gradient
-    leaving its first fragment with none arriving from beyond this rank. The gradient dS_in
-    arriving at the end of the last local sequence is then added to that sequence's per-chunk
-    gradients (`dh[c] += Diag(exp decay[c]) dS_in`) and, when it starts here, to its dh0, in
-    place. The other ranks: `send_first_state_grad`, `receive_final_state_grad`.
+    """GLA backward exchange of a middle rank, run after its local reverse pass (`chunk_bwd_dh`
+    with the last row of dht zero): sends `dh0[0]`, then adds the received gradient to the last
+    sequence's per-chunk gradients in place, `dh[c] += Diag(exp decay[c]) dS_in` (and to its
+    dh0 when it starts here). cp/README.md, section 4 (correct after).
 
     Args:
-        dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]`; decay:
-            `chunk_bwd_dh(output_decays=True)`'s `[1, NT, H, K]`.
+        dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]` (both updated in place);
+            decay: `chunk_bwd_dh(output_decays=True)`'s `[1, NT, H, K]`.
+        record: the forward's `BoundaryExchange`.
     """
     context = record.context
     dS_in = exchange_backward(dh0[0], record)
@@ -347,22 +335,15 @@ def send_first_state_grad(dh0: torch.Tensor, record: BoundaryExchange, state_v_f
 
 
 class FragmentSegments:
-    """A fragment cut into segments of whole chunks, for the state kernels to walk side by side.
+    """A fragment cut into segments of whole chunks, walked side by side by the state kernels
+    as independent sequences and folded with the segments' transitions: a walk whose programs
+    do not fill the device then takes less time (cp/README.md, section 5).
 
-    One walk of a fragment runs one program per (head, column block), each stepping through
-    every chunk in turn, so its time is its length in chunks whenever the programs do not
-    fill the SMs: 32 programs at HV=16, V=128 (64 columns each, `fragment_grad_walk`) leave
-    three quarters of an H200's 132 SMs idle. Cut into S segments walked as independent
-    sequences (the kernels' varlen path; chunks restart at each segment start, which is a
-    chunk boundary of the fragment, so every chunk is the one of the unsplit walk) and then
-    folded with the segments' transitions, it takes less: at HV=16 and 8192 tokens, 4
-    segments of 64-column tiles walk the gradient in 0.12 ms against 0.26 ms for one walk of
-    16-column tiles (BENCHMARKS.md).
-
-    count: S, at most one per chunk (fewer when the chunks do not divide evenly);
-    cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device (the kernels' varlen arguments;
-    None for S = 1, the plain walk); transitions: fp32 `[S, HV, K, K]`, set by
-    `walk_fragment_state` (None for S = 1).
+    Attributes:
+        count: S, at most one per chunk (fewer when the chunks do not divide evenly).
+        cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device, the kernels' varlen
+            arguments (None for S = 1, the plain walk).
+        transitions: fp32 `[S, HV, K, K]`, set by `walk_fragment_state` (None for S = 1).
     """
 
     def __init__(self, n_tokens: int, count: int, device: torch.device):
@@ -445,17 +426,18 @@ def walk_fragment_grad(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: 
 
 
 def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
-    """KDA forward pre-process and merge of a rank that receives a state (`pre_num_ranks >
-    0`), run before its local state pass. kg, w, gk `[1, T, HV, K]`, u `[1, T, HV, V]` from
-    the intra-chunk WY stage. Returns (S_in `[HV, K, V]` K-first; record).
+    """KDA forward exchange of a rank that receives a state (`pre_num_ranks > 0`), run before
+    its local state pass. A middle rank first walks its last fragment for the message: with
+    `walk_fragment_state` (in segments, kept in the record for the backward) when its only
+    sequence continues through it, else from the user's state on u alone (M sent as zeros).
+    cp/README.md, section 4 (walk before).
 
-    The message is the last local sequence's state from a zero start (S_ext) and, when that
-    sequence continues through this rank (its only sequence, from an earlier rank to a later
-    one), its transition M (`walk_fragment_state`, in as many segments as fit the SMs; the
-    record keeps them for the backward walk). A last sequence that starts here needs no
-    transition (the folds start from it: M is sent as zeros), so its pass runs on u alone,
-    from the user's state: half the columns. Ranks that receive nothing run their local pass
-    first and send its final state instead (`send_final_state`).
+    Args:
+        kg, w, gk: `[1, T, HV, K]`; u: `[1, T, HV, V]`; from the intra-chunk WY stage.
+        initial_state: the user's `[N_global, ...]` states or None, laid out as `state_v_first`.
+
+    Returns:
+        (S_in fp32 `[HV, K, V]`, K-first; the `BoundaryExchange` record).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:
@@ -479,13 +461,20 @@ def kda_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state
 
 def kda_final_state_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, record: BoundaryExchange,
                          state_v_first: bool):
-    """KDA backward (dhu) pre-process and merge of a rank that receives a gradient
-    (`post_num_ranks > 0`), run before its local reverse pass: the local dht (layout as the
-    states) with the gradient from later ranks in the last local sequence's row. dv: the
-    intra-chunk gradient of v_new (`Aqk^T do`) of the local tokens. The message, when an
-    earlier rank reads it, is a dhu pass over the first fragment from a zero gradient. Ranks
-    that receive nothing run their local pass first and send its dh0
-    (`send_first_state_grad`)."""
+    """KDA backward exchange of a rank that receives a gradient (`post_num_ranks > 0`), run
+    before its local reverse pass. A middle rank's message is a dhu pass over its first
+    fragment from a zero gradient (`walk_fragment_grad` over the forward's segments when the
+    rank holds one sequence). cp/README.md, section 4 (walk before).
+
+    Args:
+        qg, kg, w, gk, do, scale: as in `chunk_delta_rule_bwd_dhu`; dv: the intra-chunk
+            gradient of v_new (`Aqk^T do`) of the local tokens.
+        dht_global: gradient of the `[N_global, ...]` final state, or None.
+        record: the forward's `BoundaryExchange`.
+
+    Returns:
+        The local dht (layout as the states), the gradient from later ranks in the last row.
+    """
     def message(end: int, dht_first: torch.Tensor | None) -> torch.Tensor:
         if record.segments is not None:  # the forward walked these tokens (the rank's only sequence)
             return walk_fragment_grad(qg, kg, w, gk, do, dv, scale, record.segments)

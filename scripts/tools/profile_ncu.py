@@ -1,17 +1,19 @@
 """Nsight Compute profile of one forward+backward: what bounds each kernel.
 
 For each (op, library) it runs itself under `ncu` in a child process. The child builds
-bench_ops.py's inputs, runs the op's forward+backward twice (compile, FLA's autotuning,
-warm caches) and then once between `cudaProfilerStart`/`Stop`, so ncu
-(`--profile-from-start off`) sees exactly one step. Per kernel it reads, with the clocks
-left alone (`--clock-control none`, as do_bench runs them): duration, DRAM and overall
-memory throughput and SM throughput as % of peak (SpeedOfLight), registers per thread,
-theoretical and achieved occupancy, and the two warp-stall reasons with the most cycles
-per issued instruction. ncu replays each kernel once per counter pass, so it takes a
-minute or two per op; the durations are those of the profiled launch.
+bench_ops.py's inputs (`make_op` of scripts/benchlib.py), runs the op's forward+backward
+twice (compile, FLA's autotuning, warm caches) and then once between
+`cudaProfilerStart`/`Stop`, so ncu (`--profile-from-start off`) sees exactly one step. Per
+kernel it reads, with the clocks left alone (`--clock-control none`, as do_bench runs them):
+duration, DRAM and overall memory throughput and SM throughput as % of peak (SpeedOfLight),
+registers per thread, theoretical and achieved occupancy, and the two warp-stall reasons
+with the most cycles per issued instruction. ncu replays each kernel once per counter pass,
+so it takes a minute or two per op; the durations are those of the profiled launch.
 
-    python scripts/profile_ncu.py --cases kda:ours kda:fla gla:ours gla:fla --out ncu_out
-    python scripts/profile_ncu.py --render ncu_out/kda_ours.csv    # table of a saved report
+From the repository root (scripts/tools/README.md):
+
+    python -m scripts.tools.profile_ncu --cases kda:ours kda:fla gla:ours gla:fla --out ncu_out
+    python -m scripts.tools.profile_ncu --render ncu_out/kda_ours.csv    # table of a saved report
 
 Writes `<op>_<lib>.csv` (ncu's details page, unparsed) and `profile.md` under --out, and
 prints the tables.
@@ -35,6 +37,8 @@ STALL_METRICS = f"regex:^{STALL_PREFIX}.*{STALL_SUFFIX.replace('.', '[.]')}$"
 COLUMNS = (("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("memory %", "Memory Throughput"),
            ("SM %", "Compute (SM) Throughput"), ("regs", "Registers Per Thread"),
            ("occupancy % (theoretical)", "Theoretical Occupancy"), ("occupancy % (achieved)", "Achieved Occupancy"))
+# The child runs as this module, from the same working directory (the repository root).
+MODULE = __spec__.name if __spec__ is not None else "scripts.tools.profile_ncu"
 TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 
 
@@ -42,15 +46,14 @@ def ncu_command(ncu: str, op: str, lib: str, T: int, report: Path) -> list[str]:
     sections = [arg for s in SECTIONS for arg in ("--section", s)]
     return [ncu, "--profile-from-start", "off", "--clock-control", "none", *sections, "--metrics", STALL_METRICS,
             "--csv", "--page", "details", "--log-file", str(report),
-            sys.executable, __file__, "--child", f"{op}:{lib}", "--T", str(T)]
+            sys.executable, "-m", MODULE, "--child", f"{op}:{lib}", "--T", str(T)]
 
 
 def profiled_step(case: str, T: int) -> None:
     """The child: warm the op up, then run one forward+backward inside the profiler range."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from tune_launch import warm_fwd_bwd_step
+    from scripts.benchlib import warm_fwd_bwd_step
 
     op, lib = case.split(":")
     step = warm_fwd_bwd_step(op, T, lib=lib)
@@ -140,7 +143,7 @@ def markdown(title: str, rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=["kda:ours", "kda:fla", "gla:ours", "gla:fla"],
-                   help="op:library pairs of bench_ops.py (default kda and gla, ours and FLA's)")
+                   help="op:library pairs of benchlib.make_op (default kda and gla, ours and FLA's)")
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--out", type=Path, default=Path("ncu_out"))
     p.add_argument("--render", nargs="+", type=Path, help="only tabulate saved details CSVs")

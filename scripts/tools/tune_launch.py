@@ -6,8 +6,10 @@ compile-and-warm-up call) and the best value is kept before the next setting. Th
 printed as the `LAUNCH` entries to paste into cp_linattn/ops/launch.py, with a
 torch.profiler breakdown (CUDA time per kernel) before and after.
 
-    python scripts/tune_launch.py --ops gla kda --T 32768 --json tune.json
-    python scripts/tune_launch.py --ops kda --T 32768 --varlen --no-sweep   # profile of the varlen batch
+From the repository root (scripts/tools/README.md):
+
+    python -m scripts.tools.tune_launch --ops gla kda --T 32768 --json tune.json
+    python -m scripts.tools.tune_launch --ops kda --T 32768 --varlen --no-sweep   # profile of the varlen batch
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from triton.runtime.errors import OutOfResources
 
-from bench_ops import _varlen_cu_seqlens, make_op
 from cp_linattn.ops.launch import LAUNCH
+from scripts.benchlib import profile_kernels, warm_fwd_bwd_step
 
 # The kernels each op launches in forward+backward, and the values tried for each setting.
 # The launches of the exact diagonal path (`*_wide`) only do work under strong decays: the
@@ -37,37 +39,8 @@ OP_KERNELS = {
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 
 
-def warm_fwd_bwd_step(op: str, T: int, varlen: bool = False, lib: str = "ours") -> Callable[[], None]:
-    """One forward+backward of `op` by `lib` (bench_ops.py's), already run once (compiled,
-    warm, FLA's autotuning done); with `varlen` on bench_ops.py's packed batch of T tokens in
-    documents of mixed lengths."""
-    fn, leaves = make_op(op, lib, T, _varlen_cu_seqlens(T) if varlen else None)
-    out = fn()
-    do = torch.randn_like(out)
-    out.backward(do)
-
-    def step():
-        for x in leaves:
-            x.grad = None
-        fn().backward(do)
-
-    return step
-
-
 def time_fwd_bwd(op: str, T: int) -> float:
     return triton.testing.do_bench(warm_fwd_bwd_step(op, T), warmup=5, rep=40, return_mode="median")
-
-
-def profile_kernels(step: Callable[[], object], reps: int = 5) -> list[tuple[str, float, int]]:
-    """(kernel, CUDA ms per call, launches per call) of a warm callable, sorted by time."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count // reps) for e in prof.key_averages()
-            if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def launch_sequence(step: Callable[[], object]) -> list[tuple[str, float]]:
@@ -129,7 +102,7 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=None, help="sweep only these (default: all of the op)")
     p.add_argument("--no-sweep", action="store_true", help="only print the profile")
     p.add_argument("--varlen", action="store_true",
-                   help="profile bench_ops.py's packed varlen batch of T tokens (with --no-sweep)")
+                   help="profile the packed varlen batch (benchlib.varlen_cu_seqlens) of T tokens (with --no-sweep)")
     p.add_argument("--sequence", action="store_true", help="also list every launch of one call in order")
     p.add_argument("--json", default=None)
     args = p.parse_args()

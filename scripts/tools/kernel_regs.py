@@ -6,10 +6,11 @@ benchmark's shapes (bf16, H=16, K=V=128) through Triton's front end and its bund
 of spill instructions anywhere in the kernel, taken or not), a first check of a change's
 register pressure before it is timed on the GPU.
 
-Needs a Triton of the GPU machine's version (3.6.0 there) with its NVIDIA backend:
+Needs a Triton of the GPU machine's version (3.6.0 there) with its NVIDIA backend; from the
+repository root, with DIR any folder outside the checkout:
 
-    pip install --no-deps --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36:. python scripts/kernel_regs.py --HV 16 32
+    pip install --no-deps --target DIR triton==3.6.0
+    PYTHONPATH=DIR python -m scripts.tools.kernel_regs --HV 16 32
 """
 from __future__ import annotations
 

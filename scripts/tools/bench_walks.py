@@ -14,8 +14,10 @@ Every setting's messages (fp32) are checked against the plain walk (S = 1) at th
 BV (column "max rel diff"; the script fails above 1e-5 for fp32 inputs, 2e-2 for bf16, whose
 walks round the state to bf16 for their dots). Timer: `triton.testing.do_bench` median.
 
-    python scripts/bench_walks.py                    # H200: T=8192 (a D=4 rank), HV 16 and 4
-    TRITON_INTERPRET=1 python scripts/bench_walks.py --smoke   # CPU: checks only, no timing
+From the repository root (scripts/tools/README.md):
+
+    python -m scripts.tools.bench_walks                    # H200: T=8192 (a D=4 rank), HV 16 and 4
+    TRITON_INTERPRET=1 python -m scripts.tools.bench_walks --smoke   # CPU: checks only, no timing
 """
 from __future__ import annotations
 
