@@ -127,8 +127,8 @@ def test_both_diagonal_paths_in_one_call():
 def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     """scripts/tools/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
     the GLA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
-    several tiles, masked tails; BK=32 / BV=64 is the setting of the dq/dk/dg kernel that
-    faulted on the H200 at 4 warps, BENCHMARKS.md)."""
+    several tiles, masked tails; BK=32 / BV=64 is a setting of the dq/dk/dg kernel worth
+    keeping exact)."""
     set_tile_caps(monkeypatch, ("chunk_state_", "add_decayed_state", "gla_"), caps)
     compare_with_reference(1, 150, 1, 80, 48, cu=[0, 70, 150])
 

@@ -7,8 +7,7 @@ reverse for the gradient (`walk_fragment_grad`, V columns). Each walk runs one p
 side (`FragmentSegments`) and folded, it has S times the programs and 1/S of the steps. The
 library picks S = SMs // programs, at most 8 (`FragmentSegments.filling`), and BV and warps
 from the `fragment_*_walk` entries of `cp_linattn/ops/launch.py`; this sweep shows what
-other choices would cost (offline, sm_90a: the backward walk spills at every BV with 4
-warps, less with 8; BENCHMARKS.md).
+other choices would cost.
 
 Every setting's messages (fp32) are checked against the plain walk (S = 1) at the current
 BV (column "max rel diff"; the script fails above 1e-5 for fp32 inputs, 2e-2 for bf16, whose
