@@ -85,7 +85,7 @@ def bench_ops():
 def test_render_stored_rows(bench_ops, tmp_path, monkeypatch):
     """--render rebuilds the table (ratios against FLA of the same shape) and the plot from a
     results.json and from the JSON lines of a run cut short."""
-    stored = json.loads((ROOT / "benchmarks" / "ops.json").read_text())
+    stored = json.loads((ROOT / "benchmarks" / "h100_0a8286b" / "bench_ops_0a8286b.json").read_text())
     row = dict(op="kda_gate_init", lib="ours", T=32768, varlen=False, fwd_ms=3.0, fwd_bwd_ms=8.0, peak_mib=1.0,
                tokens_per_s=4e6, fwd_bwd_TFLOPs=30.0, fwd_bwd_GBps=300.0)
     fla = dict(row, lib="fla", fwd_bwd_ms=12.0)
