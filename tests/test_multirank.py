@@ -4,6 +4,8 @@ import torch.distributed as dist
 
 from tests.multirank import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def _all_gather_and_ring(rank: int, world_size: int) -> dict:
     mine = torch.full((3,), float(rank + 1))
@@ -23,7 +25,7 @@ def _all_gather_and_ring(rank: int, world_size: int) -> dict:
     return {"rank": rank, "received": received}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, *(pytest.param(n, marks=pytest.mark.slow) for n in (2, 3, 4))])
 def test_collectives_check_values(world_size):
     out = run_ranks(_all_gather_and_ring, world_size, timeout=90)
     assert [o["rank"] for o in out] == list(range(world_size))

@@ -2,12 +2,14 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.interpreter
 def test_api_example_runs(tmp_path):
     api = README.read_text().split("## API", 1)[1]
     code = re.search(r"```python\n(.*?)```", api, re.S).group(1)

@@ -10,7 +10,7 @@ import torch
 from cp_linattn import chunk_gla, chunk_kda
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
 from cp_linattn.ops.utils import _PACKED_OFFSETS, host_offsets, prepare_varlen_chunks
-from tests.conftest import requires_cuda
+from tests.utils import random_qkvg
 
 
 @pytest.fixture
@@ -28,10 +28,8 @@ def count_readbacks(monkeypatch):
 
 
 def _gla_inputs(T, H=2, K=16, V=16, device="cpu", dtype=torch.float32):
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, T, H, d, generator=gen) for d in (K, K, V))
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen))
-    return [x.to(device=device, dtype=dtype) for x in (q, k, v, g)]
+    x = random_qkvg(torch.Generator().manual_seed(0), 1, T, H, K, V)
+    return [x[n].to(device=device, dtype=dtype) for n in "qkvg"]
 
 
 def test_read_back_once_per_tensor(count_readbacks):
@@ -63,6 +61,7 @@ def test_entry_goes_with_its_tensor():
     assert key not in _PACKED_OFFSETS
 
 
+@pytest.mark.interpreter
 def test_ops_follow_an_in_place_change_of_the_offsets():
     """A stale host copy would run the second call with the first batch's sequence bounds."""
     q, k, v, g = _gla_inputs(100)
@@ -74,6 +73,8 @@ def test_ops_follow_an_in_place_change_of_the_offsets():
     assert torch.allclose(o, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_cu_seqlens_cpu_gives_the_same_result(count_readbacks):
     q, k, v, g = _gla_inputs(100)
     beta = torch.rand(1, 100, 2)
@@ -109,7 +110,7 @@ def test_bad_cu_seqlens_cpu(cpu_copy, exc, match):
         chunk_gla(q, k, v, g, cu_seqlens=cu, cu_seqlens_cpu=cpu_copy)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_gpu_varlen_steps_never_wait_for_the_device(op):
     """After the first call on a batch, forward and backward of a varlen call never
@@ -135,6 +136,7 @@ def test_gpu_varlen_steps_never_wait_for_the_device(op):
     torch.cuda.synchronize()
 
 
+@pytest.mark.interpreter
 def test_inference_mode_offsets_are_read_each_call():
     """Inference tensors carry no version counter: nothing is cached for them, every call reads them."""
     q, k, v, g = _gla_inputs(100)
@@ -153,8 +155,10 @@ def _strided(values: list[int], how: str) -> torch.Tensor:
     return torch.tensor([x for v in values for x in (v, 10 ** 6)])[::2]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("how", ["column", "step"])
-@pytest.mark.parametrize("op", ["chunk_gla", "chunk_kda", "GatedLinearAttention", "KimiDeltaAttention"])
+@pytest.mark.parametrize("op", ["chunk_gla", pytest.param("chunk_kda", marks=pytest.mark.slow), "GatedLinearAttention",
+                                pytest.param("KimiDeltaAttention", marks=pytest.mark.slow)])
 def test_strided_offsets_read_through_their_strides(op, how):
     """A strided view of the offsets (and of their CPU copy) gives the contiguous offsets'
     result exactly; read as contiguous memory it ran out of bounds (corrupt heap, segfault)."""
@@ -183,7 +187,8 @@ def test_strided_offsets_read_through_their_strides(op, how):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("op", ["chunk_gla", "chunk_kda"])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["chunk_gla", pytest.param("chunk_kda", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("write", ["data", "reused buffer"])
 def test_writes_that_bypass_the_version_counter_are_seen(op, write):
     """`cu.data[...] = ...` (or a buffer refilled through `.data`) leaves the version counter

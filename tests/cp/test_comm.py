@@ -55,6 +55,8 @@ def _chain(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_send_recv_chain_moves_states_only_between_ranks_sharing_a_sequence():
     per_rank = run_ranks(_chain, 4, timeout=90)
     for i, (cu, split) in enumerate(CHAIN_LAYOUTS):
@@ -87,7 +89,8 @@ def _gather(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_all_gather_tensor_values(world_size):
     per_rank = run_ranks(_gather, world_size, timeout=60)
     rows = [torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * r for r in range(world_size)]

@@ -126,6 +126,8 @@ def _fixed_cases(world_size: int) -> list:
     return cases
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_context_metadata_matches_brute_force():
     # one spawn of 4 ranks covers CP degrees 1..4 through groups of the first n ranks
     cases_by_size = {n: _fixed_cases(n) + _random_cases(n, 25, seed=n) for n in (1, 2, 3, 4)}
@@ -203,28 +205,39 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     return build, checks, mismatched
 
 
+# What the message of each case of _bad_arguments holds (build_cp_context's cases as rank 0 saw
+# them, the checks' as rank 1 did).
+EXPECTED_MESSAGES = {
+    "split_sum": ("ValueError: split must sum to T=10", "got sum 9"),
+    "split_zero": ("ValueError: split entries must all be >= 1", "[5, 5, 0]"),
+    "split_len": ("ValueError: split must have one entry per rank (3), got 2",),
+    "split_type": ("TypeError: split must be a list or tuple of ints",),
+    "comm": ("ValueError: comm must be one of ['all_gather', 'send_recv'], got 'ring'",),
+    "conv": ("ValueError: conv1d_kernel_size must be >= 1, got 0",),
+    "too_short": ("ValueError: cu_seqlens holds T=2 tokens, fewer than the world size 3",),
+    "dtype": ("TypeError: cu_seqlens must have dtype int64, got int32",),
+    "start": ("ValueError: cu_seqlens must start at 0, got 1",),
+    "decreasing": ("ValueError: cu_seqlens must be non-decreasing",),
+    "group": ("TypeError: group must be a torch.distributed ProcessGroup or None, got str",),
+    "cu_cpu": (
+        "ValueError: cu_seqlens_cpu must be a CPU copy of cu_seqlens ([3] torch.int64), got [2] torch.int64 on cpu",
+    ),
+    "cu_cpu_values": ("ValueError: cu_seqlens_cpu must hold the values of cu_seqlens [0, 3, 10], got [0, 4, 10]",),
+    "check_group": ("ValueError: group does not match cp_context",),
+    "check_local_global": ("q.shape[1] must be 3 (the tokens [4, 7)", "got 10"),
+    "check_local_batch": ("q must have batch size 1",),
+    "shard": ("x.shape[1] must be T=10", "[1, 9, 2]"),
+}
+
+
+@pytest.mark.multirank
 def test_bad_or_mismatched_arguments_raise_on_every_rank_without_hanging():
     per_rank = run_ranks(_bad_arguments, 3, timeout=90)
     assert per_rank[0][0] == per_rank[1][0] == per_rank[2][0], "build_cp_context must raise identically on every rank"
     m = {**per_rank[0][0], **per_rank[1][1]}
-    assert "ValueError: split must sum to T=10" in m["split_sum"] and "got sum 9" in m["split_sum"]
-    assert "ValueError: split entries must all be >= 1" in m["split_zero"] and "[5, 5, 0]" in m["split_zero"]
-    assert "ValueError: split must have one entry per rank (3), got 2" in m["split_len"]
-    assert "TypeError: split must be a list or tuple of ints" in m["split_type"]
-    assert "ValueError: comm must be one of ['all_gather', 'send_recv'], got 'ring'" in m["comm"]
-    assert "ValueError: conv1d_kernel_size must be >= 1, got 0" in m["conv"]
-    assert "ValueError: cu_seqlens holds T=2 tokens, fewer than the world size 3" in m["too_short"]
-    assert "TypeError: cu_seqlens must have dtype int64, got int32" in m["dtype"]
-    assert "ValueError: cu_seqlens must start at 0, got 1" in m["start"]
-    assert "ValueError: cu_seqlens must be non-decreasing" in m["decreasing"]
-    assert "TypeError: group must be a torch.distributed ProcessGroup or None, got str" in m["group"]
-    assert "ValueError: cu_seqlens_cpu must be a CPU copy of cu_seqlens ([3] torch.int64), got [2] torch.int64 on cpu" in m["cu_cpu"]
-    assert "ValueError: cu_seqlens_cpu must hold the values of cu_seqlens [0, 3, 10], got [0, 4, 10]" in m["cu_cpu_values"]
-    assert "ValueError: group does not match cp_context" in m["check_group"]
-    assert "q.shape[1] must be 3 (the tokens [4, 7)" in m["check_local_global"] and "got 10" in m["check_local_global"]
-    assert "q must have batch size 1" in m["check_local_batch"]
-    assert "x.shape[1] must be T=10" in m["shard"] and "[1, 9, 2]" in m["shard"]
-
+    for case, parts in EXPECTED_MESSAGES.items():
+        for part in parts:
+            assert part in m[case], (case, part, m[case])
     for rank, (_, _, mismatched) in enumerate(per_rank):
         for case, msg in mismatched.items():
             assert msg.startswith("ValueError: cu_seqlens differ across ranks"), (rank, case, msg)

@@ -11,6 +11,8 @@ import triton.language as tl
 
 from cp_linattn.ops.common.intra import diagonal_split_factors
 
+pytestmark = pytest.mark.interpreter
+
 R, BK, BC = 32, 16, 16
 
 

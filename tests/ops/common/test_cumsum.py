@@ -1,21 +1,13 @@
+"""chunk_local_cumsum (cp_linattn/ops/common/cumsum.py) and the in-kernel KDA gate's cumsum
+against loops in torch, with the marks of the diagonal blocks too wide for the dot path."""
 import pytest
 import torch
 
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from tests.conftest import diagonal_block_excess, requires_cuda
+from tests.utils import chunk_local_cumsum_reference, diagonal_block_excess
 
 
-def _reference(x, chunk, reverse, cu):
-    y = torch.zeros_like(x, dtype=torch.float32)
-    spans = [(b, 0, x.shape[1]) for b in range(x.shape[0])] if cu is None else [
-        (0, int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
-    for b, s, e in spans:
-        for c in range(s, e, chunk):
-            piece = x[b, c:min(c + chunk, e)].float()
-            y[b, c:c + piece.shape[0]] = piece.flip(0).cumsum(0).flip(0) if reverse else piece.cumsum(0)
-    return y
-
-
+@pytest.mark.interpreter
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("cu", [None, [0, 5, 5, 70, 100]])
 def test_chunk_local_cumsum_matches_loop(reverse, cu):
@@ -24,7 +16,7 @@ def test_chunk_local_cumsum_matches_loop(reverse, cu):
     x = torch.randn(B, 100, 3, 20)
     cu_t = None if cu is None else torch.tensor(cu)
     y = chunk_local_cumsum(x, 16, reverse=reverse, cu_seqlens=cu_t)
-    torch.testing.assert_close(y, _reference(x, 16, reverse, cu), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, chunk_local_cumsum_reference(x, 16, reverse, cu), rtol=1e-5, atol=1e-5)
 
 
 def _wide_reference(gk, chunk, block, limit, cu):
@@ -40,6 +32,7 @@ def _wide_reference(gk, chunk, block, limit, cu):
     return torch.stack(rows)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cu", [None, [0, 5, 5, 70, 200]])
 def test_wide_diagonal_blocks_match_reference(cu):
     """The bits of the diagonal blocks too wide for the dot path, over several key tiles
@@ -57,6 +50,7 @@ def test_wide_diagonal_blocks_match_reference(cu):
     assert torch.equal(wide, ref), (wide, ref)
 
 
+@pytest.mark.interpreter
 def test_wide_diagonal_blocks_never_miss_a_wide_block_of_mixed_sign_gates():
     """Outside the ops' domain (gates of both signs; D = 8, below one tile) the marks may
     flag more blocks than the exact span does, never fewer (the interpreter's dot is fp32;
@@ -70,6 +64,7 @@ def test_wide_diagonal_blocks_never_miss_a_wide_block_of_mixed_sign_gates():
     assert torch.equal(wide & ref, ref), (wide, ref)
 
 
+@pytest.mark.interpreter
 def test_wide_diagonal_blocks_of_the_in_kernel_gate():
     from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
     from cp_linattn.ops.kda.naive import kda_gate
@@ -78,14 +73,16 @@ def test_wide_diagonal_blocks_of_the_in_kernel_gate():
     g, A_log, dt_bias = torch.randn(1, 140, 2, 80), torch.tensor([-2.0, 1.0]), torch.randn(160)
     wide = torch.zeros(3, 2, dtype=torch.int32)
     gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, chunk_size=64, wide=wide, sub_chunk_size=16, span_limit=4.0)
-    torch.testing.assert_close(gk, _reference(kda_gate(g, A_log, dt_bias), 64, False, None), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gk, chunk_local_cumsum_reference(kda_gate(g, A_log, dt_bias), 64), rtol=1e-5,
+                               atol=1e-4)
     ref = _wide_reference(gk, 64, 16, 4.0, None)
     assert (ref[:, 0] == 0).all() and (ref[:, 1] != 0).any(), ref
     assert torch.equal(wide, ref)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpreter),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_in_kernel_gate_forward_and_backward(device, lower_bound):
     """The gate kernel's cumsum and its gradients (g, A_log, dt_bias) against autograd of the
     torch gate, fp32. On the GPU its softplus takes the log by PTX lg2.approx."""
@@ -98,7 +95,7 @@ def test_in_kernel_gate_forward_and_backward(device, lower_bound):
     A_log = torch.tensor([-1.0, 0.5], device=device, requires_grad=True)
     dt_bias = torch.randn(160, device=device, requires_grad=True)
     gate = kda_gate(g, A_log, dt_bias) if lower_bound is None else kda_lower_bound_gate(g, A_log, dt_bias, lower_bound)
-    ref = _reference(gate, 64, False, None)
+    ref = chunk_local_cumsum_reference(gate, 64)
     dg_cum = torch.randn_like(ref)
     ref_grads = torch.autograd.grad((ref * dg_cum).sum(), [g, A_log, dt_bias])
     with torch.no_grad():

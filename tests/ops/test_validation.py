@@ -139,7 +139,8 @@ def _op_call(op: str, **kw):
     return (*cp_linattn.chunk_gla(q, k, v, g, **kw), (q, k, v, g))
 
 
-@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", pytest.param("chunk_kda", marks=pytest.mark.slow)])
 def test_second_order_gradients_raise_instead_of_dropping_terms(op):
     """With create_graph=True the first-order gradients carried no graph: a gradient penalty's
     own gradient silently missed every second-order term. Now the call says so; first-order
@@ -152,7 +153,8 @@ def test_second_order_gradients_raise_instead_of_dropping_terms(op):
     assert dq.grad_fn is None and torch.isfinite(dq).all()
 
 
-@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", "chunk_kda"])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_chunk_gla", pytest.param("chunk_kda", marks=pytest.mark.slow)])
 def test_float64_initial_state_is_accepted_with_its_gradient(op):
     """The docstrings promise any float dtype for initial_state (read in fp32); float64 was refused."""
     h0 = torch.randn(1, 2, 16, 16, dtype=torch.float64)
@@ -187,6 +189,7 @@ def test_kda_missing_beta_and_zero_heads_name_the_argument():
         chunk_kda(*(x[:, :, :0] for x in (q, k, v, g)), torch.rand(1, 20, 0))
 
 
+@pytest.mark.interpreter
 def test_fused_chunk_gla_layout_proven_wrong_by_the_initial_state():
     """head_first=True (the default) reads [B, T, H, K] tensors with T and H swapped; an
     initial_state with the heads of the other layout proves it and raises, naming head_first."""

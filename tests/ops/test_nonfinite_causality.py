@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cp_linattn import chunk_gla, chunk_kda, fused_chunk_gla
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from cp_linattn.ops.kda.naive import kda_gate, l2norm, naive_recurrent_kda
+from cp_linattn.ops.kda.naive import l2norm
+from tests.utils import chunk_local_cumsum_reference, logsigmoid_gate, op_and_reference, random_qkvg, run_with_grads
 
 # the interpreter's numpy warns of the NaN arithmetic these tests are about
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.interpreter,
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 TOL = 1e-4
 CU = [0, 37, 150, 215]  # three sequences, none a multiple of 64 (or 16) tokens
@@ -49,7 +48,7 @@ def test_reverse_chunk_cumsum_keeps_a_nan_before_it():
     got = ~torch.isfinite(y)
     assert torch.equal(got, expected), f"non-finite at {got.nonzero().tolist()}, expected {expected.nonzero().tolist()}"
     finite = ~expected
-    ref = torch.cat([x[:, c:c + 32].flip(1).cumsum(1).flip(1) for c in range(0, 100, 32)], 1)
+    ref = chunk_local_cumsum_reference(x, 32, reverse=True)
     torch.testing.assert_close(y[finite], ref[finite])
 
 
@@ -57,12 +56,10 @@ def _inputs(op: str, strong: bool, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     T, H, K, V = CU[-1], 1, 32, 32
     B = 2 if op == "fused_chunk_gla" else 1  # fused_chunk_gla has no cu_seqlens: two rows
-    x = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
-             v=torch.randn(B, T, H, V, generator=gen))
     # strong: about -6 per token, past the span limit of the diagonal blocks' dot path (the
     # exact paths); else log-sigmoid gates (the dot paths)
-    x["g"] = -6.0 - torch.rand(B, T, H, K, generator=gen) if strong else \
-        F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    strong_gate = lambda shape, gen: -6.0 - torch.rand(*shape, generator=gen)  # noqa: E731
+    x = random_qkvg(gen, B, T, H, K, V, strong_gate if strong else logsigmoid_gate)
     if op.startswith("chunk_kda"):
         x["k"] = l2norm(x["k"])
         x["beta"] = torch.rand(B, T, H, generator=gen)
@@ -71,34 +68,6 @@ def _inputs(op: str, strong: bool, seed: int = 0) -> dict:
         x["A_log"] = torch.randn(H, generator=gen) * 0.5
         x["dt_bias"] = torch.randn(H * K, generator=gen)
     return x
-
-
-def _ops(op: str):
-    """(ours, reference), each `fn(**inputs) -> o`."""
-    cu = torch.tensor(CU)
-    if op == "chunk_gla":
-        return (lambda **a: chunk_gla(**a, cu_seqlens=cu)[0],
-                lambda **a: naive_recurrent_gla(**a, cu_seqlens=cu)[0])
-    if op == "fused_chunk_gla":
-        return lambda **a: fused_chunk_gla(**a, head_first=False)[0], lambda **a: naive_recurrent_gla(**a)[0]
-    if op == "chunk_kda":
-        return (lambda **a: chunk_kda(**a, cu_seqlens=cu)[0],
-                lambda **a: naive_recurrent_kda(**a, cu_seqlens=cu)[0])
-
-    def ours(q, k, v, g, beta, A_log, dt_bias):
-        return chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)[0]
-
-    def reference(q, k, v, g, beta, A_log, dt_bias):
-        return naive_recurrent_kda(q, k, v, kda_gate(g, A_log, dt_bias), beta, cu_seqlens=cu)[0]
-
-    return ours, reference
-
-
-def _run(fn, inputs: dict, do: torch.Tensor) -> dict[str, torch.Tensor]:
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
-    o = fn(**leaves)
-    grads = torch.autograd.grad((o * do).sum(), list(leaves.values()))
-    return {"o": o.detach(), **{"d" + n: g for n, g in zip(leaves, grads)}}
 
 
 def _sequence_of(op: str, t: int) -> tuple[int, int]:
@@ -132,8 +101,8 @@ def _check(op: str, name: str, value: float, t: int, strong: bool) -> None:
     else:
         x[name][0, t] = value
     do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(1))
-    ours, reference = _ops(op)
-    got, ref = _run(ours, x, do), _run(reference, x, do)
+    ours, reference = op_and_reference(op, torch.tensor(CU))
+    got, ref = run_with_grads(ours, x, do), run_with_grads(reference, x, do)
 
     # forward: finite before t in its sequence and everywhere in the others, as the reference;
     # non-finite at t
@@ -165,7 +134,9 @@ def _check(op: str, name: str, value: float, t: int, strong: bool) -> None:
 
 INPUTS = {"chunk_gla": "qkvg", "fused_chunk_gla": "qkvg", "chunk_kda": ("q", "k", "v", "g", "beta"),
           "chunk_kda_gate": ("q", "k", "v", "g", "beta")}
-CASES = [pytest.param(op, name, t, strong, id=f"{op}-{name}-t{t}{'-strong' if strong else ''}")
+# the fast subset (-m "not slow") keeps chunk_gla's cases on the dot paths
+CASES = [pytest.param(op, name, t, strong, id=f"{op}-{name}-t{t}{'-strong' if strong else ''}",
+                      marks=pytest.mark.slow if strong or op != "chunk_gla" else ())
          for op, names in INPUTS.items() for name in names for t in POSITIONS for strong in (False, True)
          if not (strong and name == "g")]  # a non-finite gate takes the exact paths anyway
 
@@ -175,6 +146,7 @@ def test_nan_stays_in_its_cone(op, name, t, strong):
     _check(op, name, float("nan"), t, strong)
 
 
-@pytest.mark.parametrize("op, name", [(op, name) for op, names in INPUTS.items() for name in names if name != "g"])
+@pytest.mark.parametrize("op, name", [pytest.param(op, name, marks=pytest.mark.slow if op != "chunk_gla" else ())
+                                      for op, names in INPUTS.items() for name in names if name != "g"])
 def test_inf_stays_in_its_cone(op, name):
     _check(op, name, float("inf"), POSITIONS[1], False)

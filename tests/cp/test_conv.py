@@ -77,7 +77,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("world_size", sorted(CASES))
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
 def test_cp_equals_unsharded(world_size):
     ranks = run_ranks(_conv_rank, world_size, CASES[world_size], timeout=120)
     for i, (cu_list, _) in enumerate(CASES[world_size]):

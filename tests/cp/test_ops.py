@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.conftest import requires_cuda
 from tests.multirank import run_ranks
+from tests.utils import logsigmoid_gate, max_rel_err, random_qkvg
 
 TOL = 2e-5
 
@@ -25,12 +25,12 @@ def _make_inputs(op: str, cu: list[int], H: int, K: int, V: int, seed: int, opti
     T, N = cu[-1], len(cu) - 1
     HV = H * options.get("gva", 1)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    x = dict(q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, HV, V))
-    if op == "gla":
-        x["g"] = torch.nn.functional.logsigmoid(rnd(1, T, H, K)) * options.get("gate_scale", 1.0)
+    if op == "kda" and options.get("gate_in_kernel"):
+        gate = lambda shape, gen: torch.randn(*shape, generator=gen)  # noqa: E731
     else:
-        x["g"] = rnd(1, T, HV, K) if options.get("gate_in_kernel") else \
-            torch.nn.functional.logsigmoid(rnd(1, T, HV, K)) * options.get("gate_scale", 1.0)
+        gate = lambda shape, gen: logsigmoid_gate(shape, gen) * options.get("gate_scale", 1.0)  # noqa: E731
+    x = random_qkvg(gen, 1, T, H, K, V, gate, HV=HV)  # gva (HV > H) is KDA's only
+    if op == "kda":
         x["beta"] = torch.rand(1, T, HV, generator=gen)
         if not options.get("l2norm"):
             x["q"], x["k"] = (torch.nn.functional.normalize(x[n], dim=-1) for n in ("q", "k"))
@@ -99,17 +99,6 @@ def _reference(op: str, case: dict):
     return o.detach(), ht, {n: t.grad for n, t in leaves.items()}, {n: t.grad for n, t in params.items()}
 
 
-def _close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
-    got, ref = got.float().cpu(), ref.float().cpu()
-    err = (got - ref).abs().max().item() if ref.numel() else 0.0
-    assert err <= tol * max(1.0, ref.abs().max().item()), f"{name}: max abs err {err:.3e}"
-
-
-def _max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float().cpu(), ref.float().cpu()
-    return (got - ref).abs().max().item() / max(1.0, ref.abs().max().item()) if ref.numel() else 0.0
-
-
 def _single_rank(op: str, case: dict) -> dict[str, torch.Tensor]:
     """The single-rank results of a case by name (o, every gradient, the final state)."""
     o, ht, grads, param_grads = _reference(op, case)
@@ -141,7 +130,7 @@ def _check_cases(op: str, world_size: int, cases: list[dict], tol: float = TOL) 
     for i, case in enumerate(cases):
         label = f"{op} world={world_size} case={case}"
         for name, (got, ref) in _pieces(op, case, per_rank, i).items():
-            _close(f"{name} [{label}]", got, ref, tol)
+            assert max_rel_err(got, ref) <= tol, f"{name} [{label}]: max rel err {max_rel_err(got, ref):.3e}"
 
 
 def _check_cases_against_fp32(op: str, world_size: int, cases: list[dict], tol: float) -> None:
@@ -156,7 +145,7 @@ def _check_cases_against_fp32(op: str, world_size: int, cases: list[dict], tol: 
         label = f"{op} world={world_size} case={case}"
         truth = _single_rank(op, dict(case, options=dict(case["options"], dtype="float32")))
         for name, (got, single) in _pieces(op, case, per_rank, i).items():
-            err_cp, err_single = _max_err(got, truth[name]), _max_err(single, truth[name])
+            err_cp, err_single = max_rel_err(got, truth[name]), max_rel_err(single, truth[name])
             assert err_cp <= max(tol, 1.5 * err_single), \
                 f"{name} [{label}]: CP err {err_cp:.3e}, single-rank err {err_single:.3e} (vs fp32)"
 
@@ -249,6 +238,7 @@ def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Ten
     return dict(x, gk=gk)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("count", [2, 3, 5])
 def test_segmented_fragment_walks_equal_the_plain_walk(count):
     """The KDA middle-rank messages walked in segments and folded equal the plain walk
@@ -275,6 +265,9 @@ def test_segmented_fragment_walks_equal_the_plain_walk(count):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_only_middle_ranks_pay_a_pre_process_pass(op):
     """A rank where the sequence starts sends its local pass's result, one where it ends
@@ -284,18 +277,26 @@ def test_only_middle_ranks_pay_a_pre_process_pass(op):
     assert run_ranks(_count_pre_process_passes, 3, op, case, timeout=600) == [0, 2, 0]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
+@pytest.mark.parametrize("comm", ["all_gather", pytest.param("send_recv", marks=pytest.mark.slow)])
 def test_gla_cp_matches_single_rank(world_size, comm):
     _check_cases("gla", world_size, _cases(world_size, comm, h0=True, ht=True))
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(gate_scale=5.0), dict(gate_scale=0.02, h0=True, ht=True)],
                          ids=["strong-decay-no-states", "slow-decay"])
 def test_gla_cp_gate_strengths(options):
     _check_cases("gla", 4, _cases(4, "all_gather", **options))
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["gla", "kda"])
 def test_cp_fp16_as_accurate_as_single_rank(op):
     """The low-precision criterion of the GPU test, on the CPU in fp16 (the interpreter's
@@ -335,18 +336,25 @@ def _bad_cp_calls(rank: int, world_size: int, op: str) -> list[str]:
     return messages
 
 
-@pytest.mark.parametrize("op", ["gla", "kda"])
+@pytest.mark.multirank
+@pytest.mark.parametrize("op", ["gla", pytest.param("kda", marks=pytest.mark.slow)])
 def test_bad_cp_calls_raise_on_every_rank(op):
     out = run_ranks(_bad_cp_calls, 2, op, timeout=300)
     assert out[0] == out[1] and len(out[0]) == 6
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
 def test_kda_cp_matches_single_rank(world_size, comm):
     _check_cases("kda", world_size, _cases(world_size, comm, h0=True, ht=True))
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [
@@ -362,7 +370,8 @@ def test_kda_cp_options(options):
     _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])
 
 
-@requires_cuda
+@pytest.mark.multirank
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ["gla", "kda"])
 @pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
 def test_cp_on_one_gpu_bf16(op, comm):

@@ -20,9 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -137,7 +136,7 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
                     "state_pass +0.050 ms +0, output +0.000 ms +0\n"), text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_launch_sequence_shows_both_launches_of_a_split_kernel():
     """tune_launch --sequence: one warm kda_gate call lists its launches in order, the
     split kernels' dot and exact launches one after the other, each with a positive time."""
@@ -152,6 +151,9 @@ def test_launch_sequence_shows_both_launches_of_a_split_kernel():
         assert kernel in names[first + 1]
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     """bench_cp.py end to end at tiny sizes, D=3 (a rank that receives no state, one that
     both receives and sends, one that sends no state): it captures each rank's pre-process
@@ -167,6 +169,7 @@ def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     assert all(r["max_rel_err"] < 1e-5 for r in rows), [(r["op"], r["rank"], r["max_rel_err"]) for r in rows]
 
 
+@pytest.mark.interpreter
 def test_bench_walks_smoke_checks_every_setting(capsys):
     """tools/bench_walks --smoke (CPU, no timing): every (BV, segments) setting's messages agree
     with the plain walk, one table row each."""

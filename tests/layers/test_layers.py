@@ -41,7 +41,8 @@ def _run(module, x, probe, **kw):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("kind", ["gla", "kda"])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gla", pytest.param("kda", marks=pytest.mark.slow)])
 def test_packed_sequences_are_independent(kind):
     cu = [0, 70, 75, 150]
     module = _make(kind)
@@ -85,6 +86,9 @@ def _cp_rank(rank, world_size, cases):
 CU = {2: [0, 100, 103, 190], 3: [0, 30, 190], 4: [0, 40, 41, 170, 190]}
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(CU))
 def test_cp_equals_unsharded(world_size):
     cases = [(kind, CU[world_size]) for kind in KINDS]

@@ -6,16 +6,18 @@ import pytest
 import torch
 
 from tests.multirank import run_ranks
+from tests.utils import random_qkvg
+
+pytestmark = pytest.mark.multirank
 
 CU = [0, 50, 130]
 H, K, V = 2, 16, 16
 
 
-def _inputs(op: str, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def _inputs(op: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     T = CU[-1]
-    x = {n: torch.randn(1, T, H, d, generator=gen, dtype=dtype) for n, d in (("q", K), ("k", K), ("v", V))}
-    x["g"] = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen))
+    x = random_qkvg(gen, 1, T, H, K, V)
     if op == "kda":
         x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
         x["beta"] = torch.rand(1, T, H, generator=gen)
@@ -69,7 +71,8 @@ def _one_bad_rank(rank: int, world_size: int, op: str, comm: str) -> dict[str, t
     return seen
 
 
-@pytest.mark.parametrize("op, comm", [("gla", "all_gather"), ("kda", "send_recv")])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op, comm", [("gla", "all_gather"), pytest.param("kda", "send_recv", marks=pytest.mark.slow)])
 def test_argument_error_on_one_rank_raises_on_every_rank(op, comm):
     """Each case hung before (the healthy ranks waited in the boundary exchange until the
     process-group timeout); the short timeout turns a regression into a fast failure."""

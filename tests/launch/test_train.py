@@ -13,7 +13,7 @@ from launch.data import IGNORE, MQAR, ByteText
 from launch.train import load_config
 from tests.multirank import run_ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=1", "model.head_k_dim=16", "model.head_v_dim=16",
         "data.tokens_per_batch=96", "trainer.log_every=1", "optim.warmup_steps=2"]
 
@@ -67,6 +67,8 @@ def _setup_rank(rank, world_size, overrides):
     setup(load_config(overrides))
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_cp_degree_must_divide_world():
     with pytest.raises(pytest.fail.Exception, match="cp.degree must be a positive int dividing the world size 2"):
         run_ranks(_setup_rank, 2, ["cp.degree=3"], timeout=60)
@@ -82,6 +84,9 @@ def _losses(records):
     return [r["loss"] for r in records]
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gla", "kda"])
 def test_cp2_training_matches_cp1_and_resumes_exactly(tmp_path, model):
     common = TINY + [f"model={model}", "trainer.steps=4", "trainer.ckpt_every=2"]
@@ -130,6 +135,9 @@ def _grads_rank(rank, world_size, overrides, dp_batches):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_dp_cp_mesh_gradients_equal_single_rank():
     overrides = TINY + ["model=kda"]
     ref = run_ranks(_grads_rank, 1, overrides + ["cp.degree=1"], 2, timeout=300)[0]
@@ -139,6 +147,9 @@ def test_dp_cp_mesh_gradients_equal_single_rank():
             torch.testing.assert_close(mesh[r][name], g, rtol=1e-4, atol=1e-6, msg=f"rank {r} {name}")
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,model", [(2, "gla"), (4, "gla"), (2, "kda"), (4, "kda")])
 def test_check_cp_torchrun(nproc, model):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "launch.check_cp",

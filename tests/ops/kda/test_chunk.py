@@ -2,126 +2,108 @@
 
 CPU runs use the Triton interpreter in fp32 (and once fp16) with small shapes (it is slow);
 lengths are never multiples of the chunk size (64). GPU tests (bf16, long sequences) are
-marked requires_cuda.
+marked gpu. The delta-rule state walk KDA runs (cp_linattn/ops/common/chunk_delta_h.py) is
+tested in tests/ops/common/test_chunk_delta_h.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h
 from cp_linattn.ops.kda.chunk import ChunkKDAFunction, chunk_kda
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd_prepare
 from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
 from cp_linattn.ops.utils import prepare_chunk_indices
-from tests.conftest import diagonal_block_spans, requires_cuda, set_tile_caps
+from tests.utils import (
+    assert_matches, assert_rms_close, diagonal_block_spans, kda_inputs as make_inputs, run_with_grads, set_tile_caps,
+)
 
 REL_TOL = 1e-4
-
-
-def make_inputs(T, H=1, HV=1, K=32, V=32, N=None, gate="log", gate_scale=1.0, normalise_k=True, seed=0,
-                device="cpu", dtype=torch.float32):
-    """Random KDA inputs; gate="log" gives log decays in (-gate_scale, 0), otherwise raw gate
-    inputs with A_log / dt_bias for the in-kernel gate."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, k, v = rnd(1 if N else 2, T, H, K), rnd(1 if N else 2, T, H, K), rnd(1 if N else 2, T, HV, V)
-    B = q.shape[0]
-    if normalise_k:
-        k = l2norm(k)
-    if gate == "log":
-        g = -torch.rand(B, T, HV, K, generator=gen) * gate_scale
-        A_log = dt_bias = None
-    else:
-        g = rnd(B, T, HV, K) * gate_scale
-        A_log, dt_bias = rnd(HV) * 0.5, rnd(HV * K)
-    beta = torch.rand(B, T, HV, generator=gen)
-    h0 = rnd(N or B, HV, K, V)
-    out = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, A_log=A_log, dt_bias=dt_bias)
-    return {n: (x.to(device=device, dtype=dtype if n not in ("h0", "A_log", "dt_bias") else torch.float32)
-                if x is not None else None) for n, x in out.items()}
 
 
 def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_kernel=False, lower_bound=None,
              safe_gate=False, state_v_first=False, disable_recompute=False):
     """Runs chunk_kda and the reference on the same inputs and the same random cotangents.
-    Returns ({name: (ours, reference)}) for o, the final state and every gradient."""
+    Returns (ours, reference): {name: tensor} for o, the final state ht (with `final`) and
+    every gradient."""
     names = ["q", "k", "v", "g", "beta"] + (["h0"] if use_h0 else [])
     if gate_in_kernel:
         names += ["A_log"] if inp["A_log"] is not None else []
         names += ["dt_bias"]
-    leaves = {n: inp[n].clone().requires_grad_(True) for n in names}
-    h0 = leaves.get("h0")
-    if h0 is not None and state_v_first:
-        h0_arg = h0.transpose(-1, -2)
-    else:
-        h0_arg = h0
-    o, ht = chunk_kda(
-        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=h0_arg,
-        output_final_state=final, use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate_in_kernel,
-        A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"), safe_gate=safe_gate, lower_bound=lower_bound,
-        disable_recompute=disable_recompute, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-    )
+    B, T, HV, V = inp["v"].shape
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    K = inp["k"].shape[-1]
     gen = torch.Generator().manual_seed(123)
-    do = torch.randn(o.shape, generator=gen).to(o)
-    dht = torch.randn(ht.shape, generator=gen).to(ht) if final else None
-    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if final else 0)
-    grads = torch.autograd.grad(loss, list(leaves.values()))
+    do = torch.randn(B, T, HV, V, generator=gen).to(inp["v"].dtype)
+    dht = torch.randn(*((N, HV, V, K) if state_v_first else (N, HV, K, V)), generator=gen) if final else None
+    do = do.to(inp["v"].device)
+    dht = None if dht is None else dht.to(inp["v"].device)
+    transpose = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)
 
-    ref = {n: inp[n].detach().float().clone().requires_grad_(True) for n in names}
-    q, k = ref["q"], ref["k"]
-    if l2:
-        q, k = l2norm(q), l2norm(k)
-    g = ref["g"]
-    if gate_in_kernel:
-        if lower_bound is not None:
-            g = kda_lower_bound_gate(g, ref.get("A_log"), ref["dt_bias"], lower_bound)
-        else:
-            g = kda_gate(g, ref["A_log"], ref["dt_bias"])
-    h0r = ref.get("h0")
-    o_r, ht_r = naive_recurrent_kda(q, k, ref["v"], g, ref["beta"], initial_state=h0r, output_final_state=final,
-                                    cu_seqlens=cu_seqlens)
-    loss_r = (o_r * do.float()).sum()
+    def ours(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
+        return chunk_kda(
+            q, k, v, g, beta, initial_state=None if h0 is None else transpose(h0), output_final_state=final,
+            use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        )
+
+    def reference(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
+        if l2:
+            q, k = l2norm(q), l2norm(k)
+        if gate_in_kernel:
+            g = kda_lower_bound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None else \
+                kda_gate(g, A_log, dt_bias)
+        return naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=final,
+                                   cu_seqlens=cu_seqlens)
+
+    got = run_with_grads(ours, {n: inp[n] for n in names}, do, dht)
+    ref = run_with_grads(reference, {n: inp[n].float() for n in names}, do.float(),
+                         None if dht is None else transpose(dht))
     if final:
-        ht_cmp = ht.transpose(-1, -2) if state_v_first else ht
-        dht_r = dht.transpose(-1, -2) if state_v_first else dht
-        loss_r = loss_r + (ht_r * dht_r).sum()
-    grads_r = torch.autograd.grad(loss_r, list(ref.values()))
-    res = {"o": (o, o_r)}
-    if final:
-        res["ht"] = (ht_cmp, ht_r)
-    res.update({"d" + n: (a, b) for n, a, b in zip(names, grads, grads_r)})
-    return res
+        got["ht"] = transpose(got["ht"])
+    else:
+        assert got.pop("ht") is None and ref.pop("ht") is None
+    return got, ref
 
 
 def assert_close(res, rel=REL_TOL):
-    for name, (ours, ref) in res.items():
-        assert torch.isfinite(ours).all(), f"{name} has non-finite values"
-        scale = max(ref.abs().max().item(), 1e-3)
-        err = (ours.float() - ref.float()).abs().max().item()
-        assert err <= rel * scale, f"{name}: max abs error {err:.3e} > {rel:g} * {scale:.3e}"
+    """Every entry of ours within `rel` of the reference's max abs (at least 1e-3); `res` is
+    what run_both returns."""
+    assert_matches(*res, rel, floor=1e-3)
 
 
+def split_off(res, names):
+    """(res without `names`, res of only those of `names` it has), both (ours, reference)."""
+    got, ref = res
+    names = [n for n in names if n in ref]
+    rest = tuple({n: t for n, t in d.items() if n not in names} for d in (got, ref))
+    return rest, tuple({n: d[n] for n in names} for d in (got, ref))
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_plain_every_gradient():
     res = run_both(make_inputs(T=150), use_h0=False, final=False)
-    assert set(res) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert set(res[0]) == set(res[1]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
     assert_close(res)
 
 
+@pytest.mark.interpreter
 def test_qk_l2norm_in_kernel_initial_and_final_state():
     assert_close(run_both(make_inputs(T=100, normalise_k=False), l2=True))
 
 
+@pytest.mark.interpreter
 def test_gate_in_kernel_softplus_unequal_head_dims():
     inp = make_inputs(T=90, K=32, V=64, gate="raw")
     res = run_both(inp, gate_in_kernel=True, final=False)
-    assert {"dA_log", "ddt_bias"} <= set(res)
+    assert {"dA_log", "ddt_bias"} <= set(res[0])
     assert_close(res)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_safe_gate_lower_bound_strong_decay():
     # positive raw inputs put the gate near lower_bound = -5 per step: chunk totals near -300
     # would overflow any exp(-gk) factorisation (the gate is kept short of saturation, where
@@ -133,23 +115,29 @@ def test_safe_gate_lower_bound_strong_decay():
     # dA_log / ddt_bias sum T * K per-token terms whose chunked form (reverse cumsums of
     # q dq - k dk) cancels about 1000-fold under this decay: measured against a float64
     # recurrence the fp32 reference is exact to 1e-7 and we are off by 1.5e-4 relative
-    param_grads = {n: res.pop(n) for n in ("dA_log", "ddt_bias")}
+    res, param_grads = split_off(res, ("dA_log", "ddt_bias"))
+    assert set(param_grads[0]) == {"dA_log", "ddt_bias"}
     assert_close(res)
     assert_close(param_grads, rel=5e-4)
 
 
+@pytest.mark.interpreter
 def test_lower_bound_gate_without_A_log():
     inp = make_inputs(T=70, gate="raw")
     inp["A_log"] = None
     assert_close(run_both(inp, gate_in_kernel=True, lower_bound=-3.0, use_h0=False))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_unbounded_strong_decay_is_finite():
     inp = make_inputs(T=130, gate="log", gate_scale=60.0)
     inp["g"][..., :4] = -1e4
     assert_close(run_both(inp))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 @pytest.mark.parametrize("disable_recompute", [False, True])
 def test_both_diagonal_paths_in_one_call(disable_recompute):
     """Sub-chunks within and beyond the diagonal dot path's span limit in one call."""
@@ -162,6 +150,8 @@ def test_both_diagonal_paths_in_one_call(disable_recompute):
     assert_close(run_both(inp, cu_seqlens=cu, disable_recompute=disable_recompute))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_gva_group_with_one_wide_value_head():
     """One value head of a GVA group beyond the span limit from the second chunk on: the
     group's sub-chunks take the exact launch of the intra backward for both of its heads,
@@ -174,32 +164,41 @@ def test_gva_group_with_one_wide_value_head():
     assert_close(run_both(inp))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_varlen_gva_gate_in_kernel_states_l2norm():
     cu = torch.tensor([0, 37, 37, 38, 100, 150], dtype=torch.long)
     inp = make_inputs(T=150, H=1, HV=2, N=5, gate="raw", normalise_k=False)
     assert_close(run_both(inp, cu_seqlens=cu, gate_in_kernel=True, l2=True))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_gva_groups_of_three_value_heads():
     """dq, dk summed over groups of three value heads inside the intra backward kernel."""
     assert_close(run_both(make_inputs(T=80, H=2, HV=6, gate="log", gate_scale=3.0)))
 
 
+@pytest.mark.interpreter
 def test_state_v_first():
     cu = torch.tensor([0, 20, 100], dtype=torch.long)
     assert_close(run_both(make_inputs(T=100, N=2), cu_seqlens=cu, state_v_first=True))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_disable_recompute_is_identical():
     inp = make_inputs(T=70, HV=2, N=1, gate="raw", normalise_k=False)
     kw = dict(gate_in_kernel=True, l2=True)
     a = run_both(inp, disable_recompute=True, **kw)
     b = run_both(inp, disable_recompute=False, **kw)
-    for name in a:
-        assert torch.equal(a[name][0], b[name][0]), name
+    for name in a[0]:
+        assert torch.equal(a[0][name], b[0][name]), name
     assert_close(a)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 @pytest.mark.parametrize("HV, gate_in_kernel, l2", [(1, False, False), (2, True, False), (1, True, True)])
 def test_fp16_gradients_in_input_dtype(monkeypatch, HV, gate_in_kernel, l2):
     """fp16 inputs: the backward returns every gradient in its input's dtype as the kernels
@@ -219,16 +218,18 @@ def test_fp16_gradients_in_input_dtype(monkeypatch, HV, gate_in_kernel, l2):
     # backward's gradients in the order of forward's arguments
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
     for name, grad in zip(names, returned[0]):
-        assert (grad is None) == ("d" + name not in res), name
+        assert (grad is None) == ("d" + name not in res[0]), name
         if grad is not None:
             assert grad.dtype == inp[name].dtype, f"d{name}: {grad.dtype}, input {inp[name].dtype}"
     # fp16 operands: measured up to 1.4e-3; dA_log and ddt_bias, sums of T * K per-token terms
     # that partly cancel, up to 7e-3
-    param_grads = {n: res.pop(n) for n in ("dA_log", "ddt_bias") if n in res}
+    res, param_grads = split_off(res, ("dA_log", "ddt_bias"))
     assert_close(res, rel=5e-3)
     assert_close(param_grads, rel=2e-2)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
 def test_strided_inputs(name):
     """A non-contiguous input (a transposed view) gives the same output and gradients as its
@@ -248,12 +249,16 @@ def test_strided_inputs(name):
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 def test_head_dims_not_powers_of_two():
     """K = 80 spans several key tiles (the last one partly masked) and V = 48 a partly masked
     value tile: every kernel's tile loop and masks, against the reference."""
     assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
 @pytest.mark.parametrize("caps", [dict(BK=16, BV=16), dict(BK=32, BV=64), dict(BK=64, BV=128)])
 def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     """scripts/tools/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
@@ -263,55 +268,9 @@ def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
 
 
+@pytest.mark.interpreter
 def test_short_sequence():
     assert_close(run_both(make_inputs(T=23)))
-
-
-def test_delta_rule_transition_composes():
-    """The CP runtime's use of fwd_h: final(h0) == M h0 + S_ext, with M from u = 0, h0 = I."""
-    # short enough that M is far from zero (and from symmetric): a transposed M fails here
-    inp = make_inputs(T=20, N=1, K=32, V=32)
-    p = chunk_kda_fwd_prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 32 ** -0.5)
-    eye = torch.eye(32).expand(1, 1, 32, 32).contiguous()
-    _, _, M = chunk_delta_rule_fwd_h(p["kg"], p["w"], torch.zeros_like(p["w"]), p["gk"], eye, True)
-    _, _, s_ext = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], None, True)
-    _, _, full = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], inp["h0"], True)
-    _, ref = naive_recurrent_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["h0"],
-                                 output_final_state=True)
-    assert (full - ref).abs().max() <= REL_TOL * ref.abs().max()
-    composed = M[0, 0] @ inp["h0"][0, 0] + s_ext[0, 0]
-    assert (composed - full[0, 0]).abs().max() <= REL_TOL * full.abs().max()
-    # One walk of [u, 0] from [0, I] (state_columns: u feeds the first 32 columns) gives both.
-    h0 = torch.cat([torch.zeros(1, 1, 32, 32), eye], -1)
-    _, _, both = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], h0, True, store_chunk_states=False,
-                                        state_columns=64)
-    assert torch.allclose(both[..., :32], s_ext, rtol=0, atol=1e-6) and torch.allclose(both[..., 32:], M, rtol=0,
-                                                                                           atol=1e-6)
-    # identity_tail: the same walk with [0, I] made in-kernel.
-    _, _, same = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], None, True, store_chunk_states=False,
-                                        state_columns=64, identity_tail=True)
-    assert torch.equal(same, both)
-    with pytest.raises(ValueError, match=r"^state_columns must be at least"):
-        chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], None, True, state_columns=16)
-    for columns, h0_ in ((48, None), (64, h0)):
-        with pytest.raises(ValueError, match=r"^identity_tail needs state_columns = u's width \+ K = 64"):
-            chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], h0_, True, state_columns=columns,
-                                   identity_tail=True)
-
-
-def test_delta_rule_state_columns_beyond_u():
-    """With `state_columns`, the stored chunk states and new values of the first columns are
-    those of the plain walk; the others are the walk of zero input (over several chunks)."""
-    inp = make_inputs(T=150, N=1, K=32, V=32)
-    p = chunk_kda_fwd_prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 32 ** -0.5)
-    h0 = torch.randn(1, 1, 32, 48)
-    h, v_new, ht = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], h0, True, state_columns=48)
-    ref_h, ref_v, ref_ht = chunk_delta_rule_fwd_h(p["kg"], p["w"], p["u"], p["gk"], h0[..., :32].contiguous(), True)
-    zero_u = torch.zeros(1, 150, 1, 16)
-    z_h, z_v, z_ht = chunk_delta_rule_fwd_h(p["kg"], p["w"], zero_u, p["gk"], h0[..., 32:].contiguous(), True)
-    assert h.shape == (1, 3, 1, 32, 48) and v_new.shape == (1, 150, 1, 48)
-    for got, ref, zero in ((h, ref_h, z_h), (v_new, ref_v, z_v), (ht, ref_ht, z_ht)):
-        assert torch.allclose(got, torch.cat([ref, zero], -1), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -334,6 +293,7 @@ def test_validation(kwargs, match):
         chunk_kda(*args, **kwargs)
 
 
+@pytest.mark.interpreter
 def test_prepare_indices_cover_varlen_fragment():
     cu = torch.tensor([0, 5, 70], dtype=torch.long)
     inp = make_inputs(T=70, N=2)
@@ -345,21 +305,18 @@ def test_prepare_indices_cover_varlen_fragment():
     assert torch.allclose(p["gk"][0, 69], inp["g"][0, 69])
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1000, 8192])
 def test_gpu_bf16_long(T):
     cu = torch.tensor([0, T // 3, T // 3 + 1, T], dtype=torch.long, device="cuda")
     inp = make_inputs(T=T, H=2, HV=4, K=128, V=128, N=3, gate="raw", normalise_k=False, device="cuda",
                       dtype=torch.bfloat16)
     res = run_both(inp, cu_seqlens=cu, gate_in_kernel=True, l2=True)
-    for name, (ours, ref) in res.items():
-        assert torch.isfinite(ours).all(), name
-        err = (ours.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
-        # bf16 operands: ~1e-2 on outputs, gradients pass through two more bf16 rounds
-        assert err < (3e-2 if name in ("o", "ht") else 5e-2), f"{name}: relative error {err:.3e}"
+    # bf16 operands: ~1e-2 on outputs, gradients pass through two more bf16 rounds
+    assert_rms_close(*res, lambda name: 3e-2 if name in ("o", "ht") else 5e-2)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, None])  # None: the softplus gate, its log by lg2.approx
 def test_gpu_fp32_tight(lower_bound):
     inp = make_inputs(T=700, H=2, HV=2, K=128, V=64, gate="raw", normalise_k=False, device="cuda")
