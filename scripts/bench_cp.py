@@ -7,23 +7,23 @@ tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T
   (`cu_seqlens=[0, T/D]`, no cp_context): the kernels every rank runs anyway.
 - pre-process: the extra work of a CP rank, timed by calling the library's own functions
   with the exact arguments the op passes them in a real CP step (captured from one):
-    GLA forward  `expand_h0` and one of (cp/state.py): `send_final_state` (a rank that
+    GLA forward  `expand_h0` and one of (cp/gla.py): `send_final_state` (a rank that
              receives no state: its local pass's final state is the message),
              `receive_state` (one that sends none: the all-gather and the fold before its
-             local pass, which starts from the result), `gla_apply_incoming_state` (a middle
+             local pass, which starts from the result), `correct_incoming_state` (a middle
              rank: its local pass from zero yields the message (its last fragment's final
              state, and the diagonal transition from the chunk decays the pass also
              returns); then the all-gather, the fold, and one chunk-parallel pass adding the
              incoming state to the first sequence's stored states, `add_decayed_state`);
     GLA backward `gather_final_state_grad` and the same three in reverse:
-             `send_first_state_grad`, `receive_final_state_grad`, `gla_apply_incoming_grad`;
-    KDA forward  `kda_incoming_state` or `send_final_state`, + `expand_h0`: a rank that
+             `send_first_state_grad`, `receive_final_state_grad`, `correct_incoming_grad`;
+    KDA forward  `walk_incoming_state` (cp/kda.py) or `send_final_state`, + `expand_h0`: a rank that
              receives a state walks its last fragment with the delta-rule
              `chunk_delta_rule_fwd_h` before its local pass (on [u, 0] from [0, I], S_ext and
              the K x K transition in one pass, when that sequence continues through the rank;
              on u alone when it starts here), then the all-gather and the fold; a rank that
              receives none sends its local pass's final state (no walk);
-    KDA backward `kda_final_state_grad` (a rank that receives a gradient:
+    KDA backward `walk_incoming_grad` (a rank that receives a gradient:
              `chunk_delta_rule_bwd_dhu` over the first fragment from a zero gradient, the
              seed's dhu pre-process, the all-gather and the fold) or
              `gather_final_state_grad` + `send_first_state_grad` (one that receives none:
@@ -92,9 +92,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cp_linattn.cp.comm as cp_comm
 import cp_linattn.cp.guard as cp_guard
-import cp_linattn.ops.gla.chunk as gla_chunk
-import cp_linattn.ops.kda.chunk_bwd as kda_chunk_bwd
-import cp_linattn.ops.kda.chunk_fwd as kda_chunk_fwd
+import cp_linattn.cp.gla as cp_gla
+import cp_linattn.cp.kda as cp_kda
 from benchlib import profile_kernels  # scripts/benchlib.py
 from cp_linattn import build_cp_context, chunk_gla, chunk_kda
 from cp_linattn.cp import FLACPContext, shard
@@ -144,15 +143,14 @@ class OpSpec:
 
 OPS = {
     "gla": OpSpec(_gla_inputs, lambda x, **kw: chunk_gla(x["q"], x["k"], x["v"], x["g"], **kw)[0],
-                  ((gla_chunk, "expand_h0"), (gla_chunk, "send_final_state"), (gla_chunk, "receive_state"),
-                   (gla_chunk, "gla_apply_incoming_state")),
-                  ((gla_chunk, "gather_final_state_grad"), (gla_chunk, "send_first_state_grad"),
-                   (gla_chunk, "receive_final_state_grad"), (gla_chunk, "gla_apply_incoming_grad"))),
+                  ((cp_gla, "expand_h0"), (cp_gla, "send_final_state"), (cp_gla, "receive_state"),
+                   (cp_gla, "correct_incoming_state")),
+                  ((cp_gla, "gather_final_state_grad"), (cp_gla, "send_first_state_grad"),
+                   (cp_gla, "receive_final_state_grad"), (cp_gla, "correct_incoming_grad"))),
     "kda": OpSpec(_kda_inputs, lambda x, **kw: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0],
-                  ((kda_chunk_fwd, "kda_incoming_state"), (kda_chunk_fwd, "send_final_state"),
-                   (kda_chunk_fwd, "expand_h0")),
-                  ((kda_chunk_bwd, "kda_final_state_grad"), (kda_chunk_bwd, "gather_final_state_grad"),
-                   (kda_chunk_bwd, "send_first_state_grad"))),
+                  ((cp_kda, "walk_incoming_state"), (cp_kda, "send_final_state"), (cp_kda, "expand_h0")),
+                  ((cp_kda, "walk_incoming_grad"), (cp_kda, "gather_final_state_grad"),
+                   (cp_kda, "send_first_state_grad"))),
 }
 
 

@@ -61,7 +61,7 @@ def kda_inputs(T, H=1, HV=1, K=32, V=32, N=None, gate="log", gate_scale=1.0, nor
     """Random chunk_kda inputs q, k, v, g, beta, h0, A_log, dt_bias: two rows, or one packed row
     of N sequences. gate="log" gives log decays in (-gate_scale, 0) (A_log = dt_bias = None),
     otherwise raw gate inputs with A_log / dt_bias for the in-kernel gate."""
-    from cp_linattn.ops.kda.naive import l2norm
+    from cp_linattn.ops.common.l2norm import l2norm
 
     gen = torch.Generator().manual_seed(seed)
     B = 1 if N else 2

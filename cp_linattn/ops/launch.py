@@ -1,21 +1,27 @@
 """Launch settings of every Triton kernel: tile-size caps, warps and software-pipeline stages.
 
-One table, keyed by kernel, so that `scripts/tools/tune_launch.py` can sweep the values on a
-GPU without touching the kernels, and so that the values in use are visible in one place; the
-values are the ones tuned with that script. `BK`/`BV` are upper bounds (`BC`: chunks per
+One table, keyed by launcher name (the kernel `<op>_<fwd|bwd>_kernel_<what>` is launched by
+`<op>_<fwd|bwd>_<what>`, whose entry this is; a kernel run twice, once for the dot path and once
+for the exact diagonal blocks, has a second entry `<launcher>_exact` and shows in a profiler
+trace as `<kernel>_exact`): one grep leads from a trace to its settings and back. One table
+so that `scripts/tools/tune_launch.py` can sweep the values on a GPU without touching the
+kernels, and the values in use are visible in one place; they are the ones tuned with it. `BK`/`BV` are upper bounds (`BC`: chunks per
 program): a launcher uses `min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs
 it). The Triton interpreter ignores warps and stages, so the CPU tests run the same tiles as
 the GPU.
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import triton
 
 LAUNCH: dict[str, dict[str, int]] = {
     # Sequential state recurrences (one program per state tile walks all chunks): small
     # value tiles give more programs, which is what hides the per-chunk latency.
-    "chunk_state_forward": dict(BK=32, BV=32, num_warps=4, num_stages=3),
-    "chunk_state_backward": dict(BK=64, BV=32, num_warps=8, num_stages=3),
+    "chunk_fwd_h": dict(BK=32, BV=32, num_warps=4, num_stages=3),
+    "chunk_bwd_dh": dict(BK=64, BV=32, num_warps=8, num_stages=3),
     # Chunk-parallel, memory-bound: the late correction of a sequence's states under CP. BC
     # chunks per program share one read of the fp32 state tile, which read once per chunk
     # would move more bytes than the bf16 states it corrects.
@@ -23,34 +29,40 @@ LAUNCH: dict[str, dict[str, int]] = {
     # The merge of the CP ranks' boundary states: full K rows per program (KDA's K x K dot);
     # two stages prefetch the next transition.
     "fold_states": dict(BV=32, num_warps=8, num_stages=2),
-    "delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
-    "delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
+    "chunk_delta_rule_fwd_h": dict(BV=16, num_warps=4, num_stages=3),
+    "chunk_delta_rule_bwd_dhu": dict(BV=16, num_warps=4, num_stages=3),
     # The same kernels on a KDA middle rank's fragment under CP, walked in segments side by
-    # side (cp_linattn/cp/state.py): wide tiles read each head's K-wide inputs fewer times,
+    # side (cp_linattn/cp/kda.py): wide tiles read each head's K-wide inputs fewer times,
     # and the segments give back the programs they remove.
-    "fragment_state_walk": dict(BV=64, num_warps=4, num_stages=3),
-    "fragment_grad_walk": dict(BV=64, num_warps=4, num_stages=3),
+    "cp_fwd_fragment_h": dict(BV=64, num_warps=4, num_stages=3),
+    "cp_bwd_fragment_dhu": dict(BV=64, num_warps=4, num_stages=3),
     # The kernels launched twice (dot and exact diagonal blocks, cp_linattn/ops/common/intra.py)
-    # have an entry per launch, the exact one under `<kernel>_wide` (`split_launch`).
+    # have an entry per launch, the exact one under `<launcher>_exact` (`exact_path_key`).
     # Chunk-parallel GLA kernels: a V tile as wide as the head builds the intra-chunk
     # scores once per chunk instead of once per V tile.
-    "gla_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=2),
-    "gla_fwd_o_wide": dict(BK=64, BV=128, num_warps=4, num_stages=2),
-    "gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
-    "gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
-    "gla_bwd_dqkg_wide": dict(BK=64, BV=64, num_warps=8, num_stages=1),
-    "kda_intra_wy_fwd": dict(BK=32, BV=64, num_warps=2, num_stages=1),
-    "kda_intra_wy_fwd_wide": dict(BK=32, BV=64, num_warps=2, num_stages=1),
-    "kda_output": dict(BK=64, BV=128, num_warps=4, num_stages=1),
-    "kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
-    "kda_bwd_wy_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
-    "kda_bwd_intra": dict(BK=64, num_warps=2, num_stages=1),
-    "kda_bwd_intra_wide": dict(BK=64, num_warps=2, num_stages=1),
+    "chunk_gla_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=2),
+    "chunk_gla_fwd_o_exact": dict(BK=64, BV=128, num_warps=4, num_stages=2),
+    "chunk_gla_bwd_dv": dict(BK=64, BV=128, num_warps=8, num_stages=2),
+    "chunk_gla_bwd_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
+    "chunk_gla_bwd_dqkg_exact": dict(BK=64, BV=64, num_warps=8, num_stages=1),
+    "chunk_kda_fwd_intra": dict(BK=32, BV=64, num_warps=2, num_stages=1),
+    "chunk_kda_fwd_intra_exact": dict(BK=32, BV=64, num_warps=2, num_stages=1),
+    "chunk_kda_fwd_o": dict(BK=64, BV=128, num_warps=4, num_stages=1),
+    "chunk_kda_bwd_dAv": dict(BV=64, num_warps=4, num_stages=2),
+    "chunk_kda_bwd_wy_dqkg": dict(BK=64, BV=64, num_warps=8, num_stages=1),
+    "chunk_kda_bwd_intra": dict(BK=64, num_warps=2, num_stages=1),
+    "chunk_kda_bwd_intra_exact": dict(BK=64, num_warps=2, num_stages=1),
     # Sequential walks whose parallelism comes from cutting the sequence into segments
     # (fused_chunk.segment_count, sized from the forward's tiles): wide tiles read each
     # chunk's inputs fewer times.
     "fused_chunk_gla_fwd": dict(BK=128, BV=128, num_warps=4, num_stages=2),
     "fused_chunk_gla_bwd": dict(BK=64, BV=128, num_warps=4, num_stages=2),
+    # Elementwise passes over the gate and q/k: Triton's defaults, untuned (they are small).
+    "chunk_local_cumsum": dict(num_warps=4, num_stages=3),
+    "kda_gate_fwd_cumsum": dict(num_warps=4, num_stages=3),
+    "kda_gate_bwd_cumsum": dict(num_warps=4, num_stages=3),
+    "l2norm_fwd": dict(num_warps=4, num_stages=3),
+    "l2norm_bwd": dict(num_warps=4, num_stages=3),
 }
 
 _BLOCK_KEYS = ("BK", "BV", "BC")
@@ -61,9 +73,24 @@ def launch_options(kernel: str) -> dict[str, int]:
     return {k: v for k, v in LAUNCH[kernel].items() if k not in _BLOCK_KEYS}
 
 
-def split_launch(kernel: str, wide: bool) -> str:
-    """The entry of one launch of a kernel run twice: the exact-path launch (`wide`) has its own."""
-    return f"{kernel}_wide" if wide else kernel
+def exact_path_key(launcher: str, exact: bool) -> str:
+    """The entry of one launch of a kernel run twice: the exact-diagonal launch has its own."""
+    return f"{launcher}_exact" if exact else launcher
+
+
+def jit_traced_as(flag: str, name_when_set: str) -> Callable:
+    """`triton.jit` for a kernel whose `tl.constexpr` `flag` selects one of two launches: the
+    compiled kernel is named `name_when_set` when the flag is true and keeps its own name
+    otherwise, so a profiler trace tells the two launches apart."""
+    def decorate(fn):
+        position = list(inspect.signature(fn).parameters).index(flag)
+
+        def name(specialization) -> str:
+            constants = specialization.constants  # keyed by name or by (position,), per Triton version
+            return name_when_set if constants.get(flag, constants.get((position,), False)) else fn.__name__
+
+        return triton.jit(fn, repr=name)
+    return decorate
 
 
 def tile(kernel: str, key: str, dim: int) -> int:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from cp_linattn.ops.common.index import prepare_chunk_indices, prepare_chunk_offsets
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # recurrent states are read in fp32, so any float dtype, float64 included, is accepted for them
@@ -288,34 +290,6 @@ def check_option(name: str, value, allowed) -> None:
 # Varlen chunk bookkeeping (host side; the result is moved to the compute device once).
 
 
-def prepare_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Sequence lengths `[N]` from offsets `[N + 1]`."""
-    return cu_seqlens[1:] - cu_seqlens[:-1]
-
-
-def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Offsets `[N + 1]` of each sequence's first chunk in the list of all chunks."""
-    n_chunks = (prepare_lens(cu_seqlens) + chunk_size - 1) // chunk_size
-    return torch.cat([cu_seqlens.new_zeros(1), n_chunks.cumsum(0)])
-
-
-def whole_chunk_segments(n_chunks: int, count: int) -> tuple[int, int]:
-    """(segments, chunks per segment) of a walk of n_chunks cut into at most `count` segments
-    of whole chunks: none empty, the last one possibly shorter, at least one."""
-    per_segment = max(1, -(-n_chunks // max(1, min(count, n_chunks))))
-    return max(1, -(-n_chunks // per_segment)), per_segment
-
-
-def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """`[NT, 2]` int32 table: for every chunk of the packed batch, (sequence id, chunk id in it).
-
-    Chunks never cross a sequence boundary; empty sequences own no chunk.
-    """
-    n_chunks = ((prepare_lens(cu_seqlens) + chunk_size - 1) // chunk_size).tolist()
-    seq = torch.repeat_interleave(torch.arange(len(n_chunks)), torch.tensor(n_chunks, dtype=torch.long))
-    first = torch.cumsum(torch.tensor([0] + n_chunks[:-1], dtype=torch.long), 0)
-    local = torch.arange(seq.numel()) - first[seq]
-    return torch.stack([seq, local], 1).to(device=cu_seqlens.device, dtype=torch.int32)
 
 
 def prepare_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
@@ -334,16 +308,13 @@ def prepare_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor
     return tables
 
 
-def sequence_spans(dims: Dims) -> list[tuple[int, int, int]]:
-    """(batch row, start, end) of each sequence, in the order of the state tensor's N axis."""
-    if dims.cu_seqlens_cpu is None:
-        return [(b, 0, dims.T) for b in range(dims.B)]
-    cu = dims.cu_seqlens_cpu.tolist()
-    return [(0, cu[i], cu[i + 1]) for i in range(dims.N)]
+def save_for_backward(ctx, saved) -> None:
+    """Saves the tensors of the dataclass `saved` (fields: tensors or None) through
+    `ctx.save_for_backward`, so that saved-tensor hooks (checkpointing, offloading) see them."""
+    ctx.saved_type = type(saved)
+    ctx.save_for_backward(*(getattr(saved, f.name) for f in fields(saved)))
 
 
-def join_sequence_outputs(per_sequence: list[torch.Tensor], dims: Dims) -> torch.Tensor:
-    """Inverse of `sequence_spans`: `[L_n, ...]` pieces back to `[B, T, ...]`."""
-    if dims.cu_seqlens_cpu is None:
-        return torch.stack(per_sequence)
-    return torch.cat(per_sequence, 0)[None]
+def saved_tensors(ctx):
+    """The dataclass `save_for_backward` stored."""
+    return ctx.saved_type(*ctx.saved_tensors)

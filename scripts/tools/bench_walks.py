@@ -1,8 +1,8 @@
 """Time the walks of a KDA middle rank's CP pre-process by column tile, warps and segment count.
 
 A rank that both receives and sends under CP walks its fragment twice before its local
-passes: forward on `[u, 0]` from `[0, I]` (`walk_fragment_state`, V + K columns) and in
-reverse for the gradient (`walk_fragment_grad`, V columns). Each walk runs one program per
+passes: forward on `[u, 0]` from `[0, I]` (`cp_fwd_fragment_h`, V + K columns) and in
+reverse for the gradient (`cp_bwd_fragment_dhu`, V columns). Each walk runs one program per
 (head, BV columns), stepping through the chunks in turn; cut into S segments walked side by
 side (`FragmentSegments`) and folded, it has S times the programs and 1/S of the steps. The
 library picks S = SMs // programs, at most 8 (`FragmentSegments.filling`), and BV and warps
@@ -26,12 +26,12 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from cp_linattn.cp.state import CHUNK_SIZE, FragmentSegments, walk_fragment_grad, walk_fragment_state
+from cp_linattn.cp.kda import CHUNK_SIZE, FragmentSegments, cp_bwd_fragment_dhu, cp_fwd_fragment_h
 from cp_linattn.ops.common.chunk_delta_h import delta_state_block_sizes
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.launch import LAUNCH
 
-WALK_KERNELS = ("fragment_state_walk", "fragment_grad_walk")
+WALK_KERNELS = ("cp_fwd_fragment_h", "cp_bwd_fragment_dhu")
 
 
 def fragment(T: int, HV: int, K: int, V: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -45,8 +45,8 @@ def fragment(T: int, HV: int, K: int, V: int, device: str, dtype: torch.dtype) -
 
 def walks(x: dict[str, torch.Tensor], segments: FragmentSegments):
     """Both messages of the fragment: ((S_ext, M), dS)."""
-    state = walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segments)
-    return state, walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.088, segments)
+    state = cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], segments)
+    return state, cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.088, segments)
 
 
 def max_rel_diff(got, ref) -> float:
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                 diff = max_rel_diff(walks(x, segments), plain)
                 times = ("-", "-")
                 if not args.smoke:
-                    f = lambda: walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segments)  # noqa: E731
-                    b = lambda: walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
+                    f = lambda: cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], segments)  # noqa: E731
+                    b = lambda: cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"],  # noqa: E731
                                                    0.088, segments)
                     times = tuple(f"{do_bench(fn, warmup=5, rep=30) * 1e3:.1f}" for fn in (f, b))
                 tile = delta_state_block_sizes(WALK_KERNELS[1], K, V)[1]  # BV as capped by the launcher

@@ -23,10 +23,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cp_linattn.ops.gla.chunk import chunk_gla_bwd_dqkg_kernel, chunk_gla_fwd_o_kernel
-from cp_linattn.ops.kda.chunk_bwd import kda_bwd_intra_kernel
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, kda_intra_wy_fwd_kernel
-from cp_linattn.ops.launch import LAUNCH, launch_options, split_launch
+from cp_linattn.ops.gla.chunk import chunk_gla_bwd_kernel_dqkg, chunk_gla_fwd_kernel_o
+from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd_kernel_intra
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_kernel_intra
+from cp_linattn.ops.launch import LAUNCH, launch_options, exact_path_key
 
 H, K, V = 16, 128, 128
 # Argument types by name (bf16 inputs and outputs, fp32 gate cumsum, chunk matrices and KDA's
@@ -37,7 +37,7 @@ TYPES = {
     "h": "*bf16", "do": "*bf16",
     "gk": "*fp32", "Aqk": "*fp32", "Akk": "*fp32", "dS": "*fp32", "dL": "*fp32", "dq": "*fp32", "dk": "*fp32",
     "dg": "*fp32", "dbeta": "*fp32", "dh": "*fp32",
-    "wide": "*i32", "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
+    "exact_blocks": "*i32", "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32",
 }
 GLA_TYPES = {"dq": "*bf16", "dk": "*bf16", "dg": "*bf16"}
 
@@ -48,25 +48,25 @@ def _tiles(kernel: str) -> dict:
 
 # kernel -> (jit function, constexprs for HV value heads and a launch's LAUNCH entry, argument types)
 KERNELS = {
-    "kda_intra_wy_fwd": (kda_intra_wy_fwd_kernel,
+    "chunk_kda_fwd_intra": (chunk_kda_fwd_kernel_intra,
                          lambda HV, entry: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
                                                 **_tiles(entry), COMPUTE_A=True, COMPUTE_U=True), TYPES),
-    "kda_bwd_intra": (kda_bwd_intra_kernel,
+    "chunk_kda_bwd_intra": (chunk_kda_bwd_kernel_intra,
                       lambda HV, entry: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                       TYPES),
-    "gla_fwd_o": (chunk_gla_fwd_o_kernel,
+    "chunk_gla_fwd_o": (chunk_gla_fwd_kernel_o,
                   lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                   {**TYPES, **GLA_TYPES}),
-    "gla_bwd_dqkg": (chunk_gla_bwd_dqkg_kernel,
+    "chunk_gla_bwd_dqkg": (chunk_gla_bwd_kernel_dqkg,
                      lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
                      {**TYPES, **GLA_TYPES}),
 }
 
 
-def ptxas_report(kernel: str, HV: int, varlen: bool, wide: bool) -> str:
+def ptxas_report(kernel: str, HV: int, varlen: bool, exact: bool) -> str:
     fn, constexprs, types = KERNELS[kernel]
-    entry = split_launch(kernel, wide)
-    const = dict(constexprs(HV, entry), IS_VARLEN=varlen, DOT_PREC="tf32", WIDE=wide)
+    entry = exact_path_key(kernel, exact)
+    const = dict(constexprs(HV, entry), IS_VARLEN=varlen, DOT_PRECISION="tf32", EXACT_DIAGONAL=exact)
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in const else types[n] for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
@@ -90,9 +90,9 @@ def main() -> None:
     for kernel in args.kernels:
         for HV in args.HV if kernel.startswith("kda") else args.HV[:1]:
             for varlen in (False, True):
-                for wide in (False, True):
-                    name = f"{kernel} HV={HV}{' varlen' if varlen else ''} {'exact' if wide else 'dot'} diagonal"
-                    print(f"{name}: {ptxas_report(kernel, HV, varlen, wide)}", flush=True)
+                for exact in (False, True):
+                    name = f"{kernel} HV={HV}{' varlen' if varlen else ''} {'exact' if exact else 'dot'} diagonal"
+                    print(f"{name}: {ptxas_report(kernel, HV, varlen, exact)}", flush=True)
 
 
 if __name__ == "__main__":

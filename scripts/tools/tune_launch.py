@@ -28,13 +28,13 @@ from cp_linattn.ops.launch import LAUNCH
 from scripts.benchlib import profile_kernels, warm_fwd_bwd_step
 
 # The kernels each op launches in forward+backward, and the values tried for each setting.
-# The launches of the exact diagonal path (`*_wide`) only do work under strong decays: the
+# The launches of the exact diagonal path (`*_exact`) only do work under strong decays: the
 # in-kernel gate with N(0, 1) parameters (kda_gate) has them.
 OP_KERNELS = {
-    "gla": ["chunk_state_forward", "chunk_state_backward", "gla_fwd_o", "gla_bwd_dv", "gla_bwd_dqkg"],
-    "kda": ["delta_rule_fwd_h", "delta_rule_bwd_dhu", "kda_intra_wy_fwd", "kda_output", "kda_bwd_dAv",
-            "kda_bwd_wy_dqkg", "kda_bwd_intra"],
-    "kda_gate": ["kda_intra_wy_fwd_wide", "kda_bwd_intra_wide"],
+    "gla": ["chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_fwd_o", "chunk_gla_bwd_dv", "chunk_gla_bwd_dqkg"],
+    "kda": ["chunk_delta_rule_fwd_h", "chunk_delta_rule_bwd_dhu", "chunk_kda_fwd_intra", "chunk_kda_fwd_o", "chunk_kda_bwd_dAv",
+            "chunk_kda_bwd_wy_dqkg", "chunk_kda_bwd_intra"],
+    "kda_gate": ["chunk_kda_fwd_intra_exact", "chunk_kda_bwd_intra_exact"],
 }
 CHOICES = {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "BK": (16, 32, 64), "BV": (16, 32, 64, 128)}
 

@@ -1,11 +1,12 @@
-"""The CP merge kernels (cp_linattn/ops/common/chunk_h.py, used by cp/state.py):
+"""The CP merge kernels (cp_linattn/ops/common/chunk_h.py, used by cp/gla.py, cp/kda.py):
 `add_decayed_state`, GLA's late addition of a handed-over state to the stored states and
 gradients of a local pass, and `fold_states`, the fold `S = M_j S + S_j` over the rows of an
 all-gathered table; against reruns of the state kernels and loops in torch."""
 import pytest
 import torch
 
-from cp_linattn.ops.common.chunk_h import add_decayed_state, chunk_bwd_dh, chunk_fwd_h, fold_states
+from cp_linattn.cp.merge import add_decayed_state, fold_states
+from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from tests.utils import max_rel_err, random_qkvg
 

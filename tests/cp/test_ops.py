@@ -163,25 +163,29 @@ def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]
     ]
 
 
-# The passes a CP rank may add to its local kernels (cp/state.py's names): GLA's correction of
+# The passes a CP rank may add to its local kernels (the names cp/gla.py and cp/kda.py call): GLA's correction of
 # a middle rank's stored states, KDA's walks of a middle rank's fragment.
 PRE_PROCESS_PASSES = {"gla": ("add_decayed_state",), "kda": ("chunk_delta_rule_fwd_h", "chunk_delta_rule_bwd_dhu")}
 
 
 def _count_pre_process_passes(rank: int, world_size: int, op: str, case: dict) -> int:
-    from cp_linattn.cp import state
+    from cp_linattn.cp import gla as cp_gla, kda as cp_kda
 
+    module = {"gla": cp_gla, "kda": cp_kda}[op]
     calls = []
 
     def counted(fn):
         def wrapper(*args, **kwargs):
-            calls.append(fn.__name__)
+            # the local passes go through the same modules; the pre-process walks store no chunk
+            if fn.__name__ == "add_decayed_state" or \
+                    kwargs.get("store_chunk_states", kwargs.get("store_chunk_grads")) is False:
+                calls.append(fn.__name__)
             return fn(*args, **kwargs)
         return wrapper
 
     with ExitStack() as stack:
         for name in PRE_PROCESS_PASSES[op]:
-            stack.enter_context(mock.patch.object(state, name, counted(getattr(state, name))))
+            stack.enter_context(mock.patch.object(module, name, counted(getattr(module, name))))
         _cp_worker(rank, world_size, op, [case])
     return len(calls)
 
@@ -195,7 +199,7 @@ def _count_pre_process_passes(rank: int, world_size: int, op: str, case: dict) -
 def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
     """KDA middle ranks walk their fragment as segments side by side (the CPU has 4 slots);
     every segment but the last is whole chunks, so each chunk is the one of the unsplit walk."""
-    from cp_linattn.cp.state import FragmentSegments
+    from cp_linattn.cp.kda import FragmentSegments
 
     segments = FragmentSegments.filling(n_tokens, programs, torch.device("cpu"))
     assert segments.count == len(cu) - 1
@@ -209,10 +213,10 @@ def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
 def test_fragment_segments_fill_the_sms_up_to_eight(monkeypatch, slots, programs, count):
     """On an H200's 132 SMs: HV=16 heads of 64-column walks (32 programs) take 4 segments;
     fewer programs stop at 8, past which the forward fold cost more than it saved."""
-    from cp_linattn.cp import state
+    from cp_linattn.cp import kda as cp_kda
 
-    monkeypatch.setattr(state, "_parallel_slots", lambda device: slots)
-    assert state.FragmentSegments.filling(8192, programs, torch.device("cpu")).count == count
+    monkeypatch.setattr(cp_kda, "_parallel_slots", lambda device: slots)
+    assert cp_kda.FragmentSegments.filling(8192, programs, torch.device("cpu")).count == count
 
 
 @pytest.mark.parametrize("warps,BV", [(4, 64), (8, 128), (2, 32)])
@@ -222,13 +226,13 @@ def test_state_tiles_grow_with_the_warps(monkeypatch, warps, BV):
     from cp_linattn.ops.common.chunk_delta_h import delta_state_block_sizes
     from cp_linattn.ops.launch import LAUNCH
 
-    monkeypatch.setitem(LAUNCH, "fragment_grad_walk", dict(LAUNCH["fragment_grad_walk"], BV=128, num_warps=warps))
-    assert delta_state_block_sizes("fragment_grad_walk", 128, 128) == (128, BV)
+    monkeypatch.setitem(LAUNCH, "cp_bwd_fragment_dhu", dict(LAUNCH["cp_bwd_fragment_dhu"], BV=128, num_warps=warps))
+    assert delta_state_block_sizes("cp_bwd_fragment_dhu", 128, 128) == (128, BV)
 
 
 def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
-    from cp_linattn.cp.state import CHUNK_SIZE
+    from cp_linattn.cp.kda import CHUNK_SIZE
     from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 
     torch.manual_seed(seed)
@@ -243,7 +247,7 @@ def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Ten
 def test_segmented_fragment_walks_equal_the_plain_walk(count):
     """The KDA middle-rank messages walked in segments and folded equal the plain walk
     (S = 1), whose [S_ext, M] is the fragment's affine map: final(S0) = M S0 + S_ext."""
-    from cp_linattn.cp.state import FragmentSegments, walk_fragment_grad, walk_fragment_state
+    from cp_linattn.cp.kda import FragmentSegments, cp_bwd_fragment_dhu, cp_fwd_fragment_h
     from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h
 
     T, HV, K, V = 300, 2, 16, 32  # 5 chunks, the last partial
@@ -251,16 +255,16 @@ def test_segmented_fragment_walks_equal_the_plain_walk(count):
     cpu = torch.device("cpu")
     plain, segmented = FragmentSegments(T, 1, cpu), FragmentSegments(T, count, cpu)
     assert plain.count == 1 and segmented.count == count
-    S_ext, M = walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], plain)
+    S_ext, M = cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], plain)
     S0 = torch.randn(1, HV, K, V)
     _, _, final = chunk_delta_rule_fwd_h(x["kg"], x["w"], x["u"], x["gk"], S0, True, store_chunk_states=False)
     torch.testing.assert_close(M @ S0[0] + S_ext, final[0], rtol=1e-5, atol=1e-5)
-    for got, ref in zip(walk_fragment_state(x["kg"], x["w"], x["u"], x["gk"], segmented), (S_ext, M)):
+    for got, ref in zip(cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], segmented), (S_ext, M)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="must have been walked by walk_fragment_state"):
-        walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25,
+    with pytest.raises(ValueError, match="must have been walked by cp_fwd_fragment_h"):
+        cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25,
                            FragmentSegments(T, count, cpu))
-    grads = [walk_fragment_grad(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25, segments)
+    grads = [cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25, segments)
              for segments in (plain, segmented)]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,8 @@ import torch
 from cp_linattn import chunk_gla, chunk_kda
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from cp_linattn.ops.kda.naive import kda_gate, l2norm, naive_recurrent_kda
+from cp_linattn.ops.common.l2norm import l2norm
+from cp_linattn.ops.kda.naive import kda_gate, naive_recurrent_kda
 from tests.multirank import run_ranks
 from tests.utils import (
     assert_matches, chunk_local_cumsum_reference, logsigmoid_gate, op_and_reference, random_qkvg, run_with_grads,

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
-from cp_linattn.ops.kda.naive import l2norm
+from cp_linattn.ops.common.l2norm import l2norm
 from tests.utils import chunk_local_cumsum_reference, logsigmoid_gate, op_and_reference, random_qkvg, run_with_grads
 
 # the interpreter's numpy warns of the NaN arithmetic these tests are about

@@ -146,7 +146,7 @@ def test_launch_sequence_shows_both_launches_of_a_split_kernel():
     launches = tune_launch.launch_sequence(warm_fwd_bwd_step("kda_gate", 256))
     names = [name for name, _ in launches]
     assert all(ms > 0 for _, ms in launches)
-    for kernel in ("kda_intra_wy_fwd", "kda_bwd_intra"):
+    for kernel in ("chunk_kda_fwd_intra", "chunk_kda_bwd_intra"):
         first = next(i for i, name in enumerate(names) if kernel in name)
         assert kernel in names[first + 1]
 

@@ -27,98 +27,85 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_h import dot_precision, sequence_bounds, sequences_and_chunks, state_tile
+from cp_linattn.ops.common.index import count_sequences_and_chunks, sequence_bounds, state_tile_offsets
+from cp_linattn.ops.common.chunk_h import dot_precision, initial_state_tile
 from cp_linattn.ops.launch import launch_options, tile
 from cp_linattn.ops.utils import check_tensor
 
 
 @triton.jit
-def chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """For program chunk i_t of batch row i_b: (first token of its sequence, the sequence's
-    length, first token of the chunk within the sequence, index of the chunk in h tensors)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        state_index = i_t.to(tl.int64)
-    else:
-        i_c = i_t.to(tl.int64)
-        bos = i_b.to(tl.int64) * T
-        seq_len = T
-        state_index = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
-    return bos, seq_len, (i_c * BT).to(tl.int32), state_index
+def delta_walk_start(init, cu_seqlens, chunk_offsets, T, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Program (V tile, sequence * HV + head) of grid (cdiv(V, BV), N * HV): (i_nh, i_h, bos,
+    seq_len, first_chunk, the `state_tile_offsets` of its tile, the fp32 tile it starts from)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs = state_tile_offsets(0, i_v, K, V, BK, BV, STATE_V_FIRST)
+    b_h = initial_state_tile(init, i_nh, state_offs, m_kv, K, V, BK, BV, USE_INITIAL_STATE)
+    return i_nh, i_h, bos, seq_len, first_chunk, o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs, b_h
 
 
 @triton.jit
-def delta_rule_fwd_h_kernel(
+def chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_t of a walk: (its rows in `[B, T, HV, *]` tensors, its [BT, BK] and [BT, BV] masks)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seq_len
+    return (bos + o_t) * HV + i_h, m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+
+
+@triton.jit
+def chunk_delta_rule_fwd_kernel_h(
     kg, w, u, gk, h, v_new, h0, ht,
     cu_seqlens, chunk_offsets,
     T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, U_COLS: tl.constexpr, IDENTITY_TAIL: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, U_COLS: tl.constexpr, IDENTITY_TAIL: tl.constexpr,
 ):
     """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV). The state
     has V columns, u the first U_COLS of them (the others take zero input); with
     IDENTITY_TAIL the state starts from `[0, I]` (the K columns from U_COLS on, the identity)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs = state_tile(0, i_v, K, V, BK, BV, STATE_V_FIRST)
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    i_nh, i_h, bos, seq_len, first_chunk, o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs, b_h = delta_walk_start(
+        h0, cu_seqlens, chunk_offsets, T, HV, K, V, BT, BK, BV, USE_INITIAL_STATE, STATE_V_FIRST, IS_VARLEN)
     if IDENTITY_TAIL:
         b_h = tl.where(o_k[:, None] == o_v[None, :] - U_COLS, 1.0, b_h)
 
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
             tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < seq_len
-        rows = (bos + o_t) * HV + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
+        rows, m_tk, m_tv = chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_u = tl.load(u + rows[:, None] * U_COLS + o_v[None, :], mask=m_tv & (o_v < U_COLS)[None, :],
                       other=0).to(tl.float32)
-        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
+        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PRECISION)
         if STORE_CHUNKS:
             tl.store(v_new + rows[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
         b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
         b_h = b_h * tl.exp(b_g_last)[:, None] + tl.dot(
-            tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
+            tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PRECISION)
 
-    if STORE_HT:
+    if STORE_FINAL_STATE:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_offs, b_h, mask=m_kv)
 
 
 @triton.jit
-def delta_rule_bwd_dhu_kernel(
+def chunk_delta_rule_bwd_kernel_dhu(
     qg, kg, w, gk, do, dv, dh, dv2, dht, dh0,
     cu_seqlens, chunk_offsets,
     scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Writes dh (gradient of the state leaving each chunk) and dv2; grid like the forward."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs = state_tile(0, i_v, K, V, BK, BV, STATE_V_FIRST)
-
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + state_offs, mask=m_kv, other=0).to(tl.float32)
+    i_nh, i_h, bos, seq_len, first_chunk, o_k, o_v, m_k, m_v, m_kv, h_offs, state_offs, b_dh = delta_walk_start(
+        dht, cu_seqlens, chunk_offsets, T, HV, K, V, BT, BK, BV, USE_FINAL_STATE_GRADIENT, STATE_V_FIRST, IS_VARLEN)
 
     # A unit-step loop walked backwards: negative-step loops are not trusted to the GPU pipeliner.
     n_steps = tl.cdiv(seq_len, BT)
@@ -126,14 +113,10 @@ def delta_rule_bwd_dhu_kernel(
         i_t = n_steps - 1 - i_rev
         if STORE_CHUNKS:
             tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < seq_len
-        rows = (bos + o_t) * HV + i_h
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
+        rows, m_tk, m_tv = chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
         b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_dv = tl.load(dv + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
-        b_dv2 = b_dv + tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PREC)
+        b_dv2 = b_dv + tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PRECISION)
         if STORE_CHUNKS:
             tl.store(dv2 + rows[:, None] * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
         b_qg = tl.load(qg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
@@ -142,10 +125,10 @@ def delta_rule_bwd_dhu_kernel(
         last = bos + tl.minimum(i_t * BT + BT, seq_len) - 1
         b_g_last = tl.load(gk + (last * HV + i_h) * K + o_k, mask=m_k, other=0)
         b_dh = b_dh * tl.exp(b_g_last)[:, None]
-        b_dh += scale * tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
-        b_dh -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype), input_precision=DOT_PREC)
+        b_dh += scale * tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PRECISION)
+        b_dh -= tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype), input_precision=DOT_PRECISION)
 
-    if STORE_DH0:
+    if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_offs, b_dh, mask=m_kv)
 
 
@@ -173,7 +156,7 @@ def chunk_delta_rule_fwd_h(
     store_chunk_states: bool = True,
     state_columns: int | None = None,
     identity_tail: bool = False,
-    launch: str = "delta_rule_fwd_h",
+    launch: str = "chunk_delta_rule_fwd_h",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
@@ -212,7 +195,7 @@ def chunk_delta_rule_fwd_h(
     if identity_tail and (V - U != K or initial_state is not None):
         raise ValueError(f"identity_tail needs state_columns = u's width + K = {U + K} (got {V}) and no "
                          f"initial_state (got {'one' if initial_state is not None else 'none'})")
-    N, NT, chunk_offsets = sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+    N, NT, chunk_offsets = count_sequences_and_chunks(kg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                  store_chunk_states)
     if initial_state is not None:
         check_tensor("initial_state", initial_state,
@@ -226,12 +209,12 @@ def chunk_delta_rule_fwd_h(
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
-        delta_rule_fwd_h_kernel[(triton.cdiv(V, BV), N * HV)](
+        chunk_delta_rule_fwd_kernel_h[(triton.cdiv(V, BV), N * HV)](
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE_CHUNKS=store_chunk_states,
+            USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, STORE_CHUNKS=store_chunk_states,
             STATE_V_FIRST=state_v_first,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(kg.dtype), U_COLS=U, IDENTITY_TAIL=identity_tail,
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(kg.dtype), U_COLS=U, IDENTITY_TAIL=identity_tail,
             **launch_options(launch),
         )
     return h, v_new, final_state
@@ -253,7 +236,7 @@ def chunk_delta_rule_bwd_dhu(
     chunk_size: int = 64,
     state_v_first: bool = False,
     store_chunk_grads: bool = True,
-    launch: str = "delta_rule_bwd_dhu",
+    launch: str = "chunk_delta_rule_bwd_dhu",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Reverse recurrence of the gated delta rule, for outputs `o = scale * qg h + (intra)`.
 
@@ -270,7 +253,7 @@ def chunk_delta_rule_bwd_dhu(
         dh0: fp32 gradient of the initial states (layout as the states) or None;
         dv2: `[B, T, HV, V]` in qg's dtype, the total gradient of v_new (`dv + kg dh`),
             summed in fp32 and rounded once on store: its consumer (KDA's
-            `kda_bwd_wy_dqkg_kernel`) rounds it to that dtype for every dot anyway, and a bf16
+            `chunk_kda_bwd_kernel_wy_dqkg`) rounds it to that dtype for every dot anyway, and a bf16
             dv2 halves its traffic (fp32 inputs keep it fp32).
         With `store_chunk_grads=False` (only dh0 wanted: the CP pre-process) dh and dv2 are
         neither allocated nor written, and None is returned for them.
@@ -281,7 +264,7 @@ def chunk_delta_rule_bwd_dhu(
         check_tensor(name, x, shape=(B, T, HV, K), device=qg.device)
     check_tensor("do", do, shape=(B, T, HV, None), device=qg.device)
     check_tensor("dv", dv, shape=(B, T, HV, V), device=qg.device)
-    N, NT, chunk_offsets = sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
+    N, NT, chunk_offsets = count_sequences_and_chunks(qg, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                  store_chunk_grads)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, HV, V, K) if state_v_first else (N, HV, K, V), device=qg.device)
@@ -295,12 +278,12 @@ def chunk_delta_rule_bwd_dhu(
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
-        delta_rule_bwd_dhu_kernel[(triton.cdiv(V, BV), N * HV)](
+        chunk_delta_rule_bwd_kernel_dhu[(triton.cdiv(V, BV), N * HV)](
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            HAS_DHT=dht is not None, STORE_DH0=need_dh0, STORE_CHUNKS=store_chunk_grads,
+            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, STORE_CHUNKS=store_chunk_grads,
             STATE_V_FIRST=state_v_first,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(qg.dtype),
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
             **launch_options(launch),
         )
     return dh, dh0, dv2

@@ -5,9 +5,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_delta_h import chunk_span
-from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
-from cp_linattn.ops.utils import prepare_chunk_indices
+from cp_linattn.ops.common.index import chunk_bounds, prepare_chunk_indices
+from cp_linattn.ops.launch import launch_options
+from cp_linattn.ops.common.intra import mark_exact_diagonal_blocks
+
 
 # Per-token floor of the log decays, applied before any cumulative sum. exp(x) rounds to 0 in
 # fp32 (and bf16) for every x < ln(2^-150) ~ -103.97, and every exponent a kernel forms from a
@@ -44,7 +45,7 @@ def suffix_sum(b_x, BT: tl.constexpr):
 def chunk_local_cumsum_kernel(
     x,
     y,
-    wide,
+    exact_blocks,
     cu_seqlens,
     chunk_indices,
     T,
@@ -54,20 +55,20 @@ def chunk_local_cumsum_kernel(
     BD: tl.constexpr,
     REVERSE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    MARK_WIDE: tl.constexpr,
+    MARK_EXACT: tl.constexpr,
     BC: tl.constexpr,
     SPAN_LIMIT: tl.constexpr,
 ):
     """y[t] = sum of x over the chunk of t up to t (or from t to the chunk end if REVERSE); the
     forward sum takes x floored at LOG_DECAY_FLOOR (x are log gates there).
 
-    x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H). With MARK_WIDE (forward
+    x, y: `[B, T, H, D]` contiguous; grid (cdiv(D, BD), NT, B * H). With MARK_EXACT (forward
     only) the bits of the chunk's diagonal BC-blocks too wide for the dot path are ORed into
-    wide, int32 `[NT_all, H]` (`mark_wide_diagonal_blocks`).
+    exact_blocks, int32 `[NT_all, H]` (`mark_exact_diagonal_blocks`).
     """
     i_d, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, i_chunk = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     o_t = t0 + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m = (o_t[:, None] < seq_len) & (o_d[None, :] < D)
@@ -80,9 +81,9 @@ def chunk_local_cumsum_kernel(
         b_x = floor_log_decay(b_x)
         b_y = tl.cumsum(b_x, axis=0)
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
-    if MARK_WIDE:
+    if MARK_EXACT:
         tl.static_assert(not REVERSE, "the span of a reverse cumsum is not what the chunk kernels check")
-        mark_wide_diagonal_blocks(wide + i_chunk * H + i_h, b_x, seq_len - t0,
+        mark_exact_diagonal_blocks(exact_blocks + i_chunk * H + i_h, b_x, seq_len - t0,
                                   BC, BT // BC, SPAN_LIMIT)
 
 
@@ -93,7 +94,7 @@ def chunk_local_cumsum(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     output_dtype: torch.dtype = torch.float32,
-    wide: torch.Tensor | None = None,
+    exact_blocks: torch.Tensor | None = None,
     sub_chunk_size: int = 16,
     span_limit: float = 0.0,
 ) -> torch.Tensor:
@@ -103,25 +104,26 @@ def chunk_local_cumsum(
     (of log gates) floors each x at LOG_DECAY_FLOOR first; the reverse one (of gradients) does
     not. Accumulates in fp32; returns `output_dtype` (fp32 by default, which the chunked
     kernels expect).
-    wide: zeroed int32 `[NT_all, H]` (NT_all the chunks of the whole batch) that takes, per
+    exact_blocks: zeroed int32 `[NT_all, H]` (NT_all the chunks of the whole batch) that takes, per
     chunk and head, the bits of the `sub_chunk_size` diagonal blocks whose gate span exceeds
     `span_limit` (forward only; `cp_linattn.ops.common.intra`).
     """
-    if wide is not None and reverse:
-        raise ValueError("wide marks the blocks of a forward cumsum; got reverse=True")
+    if exact_blocks is not None and reverse:
+        raise ValueError("exact_blocks marks the blocks of a forward cumsum; got reverse=True")
     B, T, H, D = x.shape
     x = x.contiguous()
     if cu_seqlens is not None and chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     y = torch.empty_like(x, dtype=output_dtype)
-    # at least 16 wide: the wide-block marking takes a dot with the tile
+    # at least 16 wide: marking the exact blocks takes a dot with the tile
     BD = max(16, min(triton.next_power_of_2(D), 64))
     grid = (triton.cdiv(D, BD), NT, B * H)
     if NT > 0:
         chunk_local_cumsum_kernel[grid](
-            x, y, wide, cu_seqlens, chunk_indices, T,
+            x, y, exact_blocks, cu_seqlens, chunk_indices, T,
             H=H, D=D, BT=chunk_size, BD=BD, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
-            MARK_WIDE=wide is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
+            MARK_EXACT=exact_blocks is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
+            **launch_options("chunk_local_cumsum"),
         )
     return y

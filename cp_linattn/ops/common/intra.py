@@ -11,7 +11,7 @@ forms one column per step). Typical gates (log-sigmoid, or KDA's safe gate with 
 strong decays (below about -5 per token) take the slow path.
 
 The chunked GLA and KDA kernels measure the span once, where the gate cumsum is formed
-(`mark_wide_diagonal_blocks`), and run twice: a launch compiled with the dot path only, for
+(`mark_exact_diagonal_blocks`), and run twice: a launch compiled with the dot path only, for
 the chunks whose blocks all fit, and one compiled with the exact path only, for the rest. A
 kernel holding both paths keeps registers for the exact one even where it never runs, and
 spills more. fused_chunk_gla checks the span at run time (`within_span`).
@@ -41,15 +41,15 @@ def within_span(b_rel, SPAN_LIMIT: tl.constexpr):
     """Whether every entry of the fp32 gate offsets `b_rel` ([R, BK], masked entries 0) is
     within SPAN_LIMIT of its reference row."""
     # `<=` in a select, so that a NaN offset counts as too wide (a float max may skip NaN)
-    wide = tl.max(tl.max(tl.where(tl.abs(b_rel) <= SPAN_LIMIT, 0, 1), axis=1), axis=0)
-    fits = wide == 0
+    too_wide = tl.max(tl.max(tl.where(tl.abs(b_rel) <= SPAN_LIMIT, 0, 1), axis=1), axis=0)
+    fits = too_wide == 0
     # Round trip through int32: the interpreter's scalar comparison result cannot be &-ed with a
     # mask otherwise.
     return fits.to(tl.int32) != 0
 
 
 @triton.jit
-def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
+def mark_exact_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl.constexpr,
                               SPAN_LIMIT: tl.constexpr):
     """ORs into the int32 at `wide_ptr` bit s for every diagonal block s (rows s BC .. s BC + BC)
     of a chunk whose gate cumsum may stray more than SPAN_LIMIT from the block's middle row.
@@ -77,15 +77,15 @@ def mark_wide_diagonal_blocks(wide_ptr, b_x, chunk_len, BC: tl.constexpr, NC: tl
     segments = ((o_t[None, :] > lo[:, None]) & (o_t[None, :] <= hi[:, None])).to(tl.float32)
     b_sums = tl.dot(segments, tl.abs(b_x), input_precision="tf32")
     # `<=` so that a NaN sum counts as wide
-    b_wide = tl.max(tl.where(b_sums <= SPAN_LIMIT, 0, 1), axis=1)
-    b_block = tl.max(tl.reshape(tl.where(o_w < 2 * NC, b_wide, 0), [8, 2]), axis=1)
+    b_exact = tl.max(tl.where(b_sums <= SPAN_LIMIT, 0, 1), axis=1)
+    b_block = tl.max(tl.reshape(tl.where(o_w < 2 * NC, b_exact, 0), [8, 2]), axis=1)
     bits = tl.sum(b_block << tl.arange(0, 8))
     tl.atomic_or(wide_ptr, bits, mask=bits != 0)
 
 
-def new_wide_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.Tensor | None,
+def new_exact_block_bits(B: int, T: int, H: int, chunk_size: int, chunk_indices: torch.Tensor | None,
                   device: torch.device) -> torch.Tensor:
-    """Zeroed int32 `[NT_all, H]` for `mark_wide_diagonal_blocks`: one entry per chunk of the
+    """Zeroed int32 `[NT_all, H]` for `mark_exact_diagonal_blocks`: one entry per chunk of the
     batch (`B * cdiv(T, chunk_size)`, or the rows of chunk_indices when varlen) and head."""
     NT = B * triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
     return torch.zeros(NT, H, dtype=torch.int32, device=device)
@@ -149,8 +149,8 @@ def nonfinite_part(b_x):
 
 
 @triton.jit
-def in_this_launch(b_wide, WIDE: tl.constexpr):
-    """Whether a program whose blocks have the wide bit `b_wide` (nonzero: some block too wide
-    for the dot path) belongs to the launch compiled with the exact path (WIDE) or to the
-    one compiled with the dot path (not WIDE); it returns at once in the other."""
-    return (b_wide != 0) == WIDE
+def launch_takes_block(b_exact, EXACT_DIAGONAL: tl.constexpr):
+    """Whether a program whose blocks have the bit `b_exact` in exact_blocks (nonzero: some block too wide
+    for the dot path) belongs to the launch compiled with the exact path (EXACT_DIAGONAL) or to the
+    one compiled with the dot path (not EXACT_DIAGONAL); it returns at once in the other."""
+    return (b_exact != 0) == EXACT_DIAGONAL

@@ -27,25 +27,51 @@ leaving the chunk; hence `dg = reverse_cumsum_in_chunk(q dq - k dk) + dL/db_last
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_delta_h import chunk_span
+from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum, suffix_sum
-from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, in_this_launch, new_wide_bits,
+from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, launch_takes_block, new_exact_block_bits,
                                          nonfinite_part, span_limit)
 from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
-from cp_linattn.cp.state import (compress_h0, expand_h0, gather_final_state_grad, gla_apply_incoming_grad,
-                                 gla_apply_incoming_state, receive_final_state_grad, receive_state,
-                                 scatter_final_state, send_final_state, send_first_state_grad)
-from cp_linattn.ops.launch import launch_options, split_launch, tiles
-from cp_linattn.ops.utils import check_flag, check_scale, kernel_state, prepare_varlen_chunks, refuse_double_backward
+from cp_linattn.cp.exchange import CPExchange
+from cp_linattn.cp.gla import gla_cp_bwd_dh, gla_cp_fwd_h
+from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
+from cp_linattn.ops.utils import (check_flag, check_scale, kernel_state, prepare_varlen_chunks, refuse_double_backward,
+                                  save_for_backward, saved_tensors)
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
+
+
+@triton.jit
+def chunk_rows(cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The chunk of a program of grid (tiles, NT, B * H): (i_h, its index in the state tensors,
+    the tokens left in its sequence from its start, its first row in the flat (token, head)
+    row space, the chunk-local row offsets and their mask)."""
+    i_t, i_bh = tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos, seq_len, t0, state_index = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    # t0 in int64, like the offsets it enters: fewer register spills than with chunk_bounds's int32
+    t0 = t0.to(tl.int64)
+    chunk_len = seq_len - t0
+    o_i = tl.arange(0, BT)
+    return i_h, state_index, chunk_len, (bos + t0) * H + i_h, o_i, o_i < chunk_len
+
+
+@triton.jit
+def chunk_tile(i_d, chunk_row0, o_i, m_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Block i_d of a head dim of D: (its offsets, their mask, the [BT, BD] mask and offsets
+    of the chunk's rows in a `[B, T, H, D]` tensor)."""
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    return o_d, m_d, m_t[:, None] & m_d[None, :], (chunk_row0 + o_i[:, None] * H) * D + o_d[None, :]
 
 
 @triton.jit
@@ -61,13 +87,13 @@ def offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H: 
 @triton.jit
 def intra_chunk_scores(
     k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len, H: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr, EXACT_DIAG: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
     """Causal `sum_k q_tk k_sk exp(b_tk - b_sk)` over one key-channel block, [BT, BT] fp32.
 
     b_q, b_g: fp32 [BT, BK] tiles of q and the gate cumsum; chunk_row0: index of the chunk's
     first row in the flat (token, head) row space; rows at or past chunk_len are padding.
-    The diagonal blocks by a dot split at their middle rows, or with EXACT_DIAG by the four
+    The diagonal blocks by a dot split at their middle rows, or with EXACT_DIAGONAL by the four
     dots of their bisection (`diagonal_split_factors`).
     """
     dtype = k.dtype.element_ty
@@ -86,11 +112,11 @@ def intra_chunk_scores(
         # Masking the exponent (not the product) keeps exp from overflowing off the block.
         b_q_ref = b_q * tl.exp(tl.where(in_block[:, None], b_g - b_ref[None, :], float("-inf")))
         b_k_ref = b_k * tl.exp(tl.where(before[:, None], b_ref[None, :] - b_g, float("-inf")))
-        b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PREC)
-    if not EXACT_DIAG:
+        b_a += tl.dot(b_q_ref.to(dtype), tl.trans(b_k_ref.to(dtype)), input_precision=DOT_PRECISION)
+    if not EXACT_DIAGONAL:
         b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
         b_diag = tl.dot((b_q * tl.exp(b_rel)).to(dtype), tl.trans((b_k * tl.exp(-b_rel)).to(dtype)),
-                        input_precision=DOT_PREC)
+                        input_precision=DOT_PRECISION)
         in_diagonal = (o_i[:, None] // BC == o_i[None, :] // BC) & (o_i[:, None] >= o_i[None, :])
         b_a += tl.where(in_diagonal, b_diag, 0)
     else:
@@ -98,7 +124,7 @@ def intra_chunk_scores(
             b_rowfac, b_colfac, pairs = diagonal_split_factors(
                 gk + chunk_row0 * K, H * K, b_g, o_i, m_t, o_k, m_k, chunk_len, level, True, BC)
             b_split = tl.dot((b_q * b_rowfac).to(dtype), tl.trans((b_k * b_colfac).to(dtype)),
-                             input_precision=DOT_PREC)
+                             input_precision=DOT_PRECISION)
             b_a += tl.where(pairs, b_split, 0)
         # the bisection leaves out t == s, decay 1
         b_a += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0)
@@ -107,29 +133,22 @@ def intra_chunk_scores(
     return tl.where(o_i[:, None] >= o_i[None, :], b_a, 0)
 
 
-@triton.jit
-def chunk_gla_fwd_o_kernel(
-    q, k, v, gk, wide, h, o, A, cu_seqlens, chunk_indices, scale, T,
+@jit_traced_as("EXACT_DIAGONAL", "chunk_gla_fwd_kernel_o_exact")
+def chunk_gla_fwd_kernel_o(
+    q, k, v, gk, exact_blocks, h, o, A, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
     """o = scale * (q * exp b) h + A v for one [BT, BV] tile, and A = scale * scores (the
     rounded dot operand, stored for dv); grid (cdiv(V, BV), NT, B * H). With several V tiles
-    each writes the same A. Runs the chunks whose entry of wide (int32 `[NT_all, H]`) is
-    nonzero if WIDE (exact diagonal blocks), the others if not."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    # t0 in int64, like the offsets it enters: fewer register spills here than with chunk_span's int32
-    t0 = t0.to(tl.int64)
-    if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
+    each writes the same A. Runs the chunks whose entry of exact_blocks (int32 `[NT_all, H]`) is
+    nonzero if EXACT_DIAGONAL (exact diagonal blocks), the others if not."""
+    i_v = tl.program_id(0)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    if not launch_takes_block(tl.load(exact_blocks + state_index * H + i_h), EXACT_DIAGONAL):
         return
     dtype = q.dtype.element_ty
-    chunk_len = seq_len - t0
-    chunk_row0 = (bos + t0) * H + i_h
-    o_i = tl.arange(0, BT)
-    m_t = o_i < chunk_len
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     h_base = h + (state_index * H + i_h) * K * V
@@ -137,99 +156,77 @@ def chunk_gla_fwd_o_kernel(
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+        o_k, m_k, m_tk, offs = chunk_tile(i_k, chunk_row0, o_i, m_t, H, K, BK)
         b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
         b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_a += intra_chunk_scores(k, gk, b_q, b_g, o_k, m_k, o_i, m_t, chunk_row0, chunk_len,
-                                  H, K, BT, BC, DOT_PREC, WIDE)
+                                  H, K, BT, BC, DOT_PRECISION, EXACT_DIAGONAL)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
         b_q_start = tl.where(m_tk, b_q * tl.exp(b_g), 0)
-        b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PREC)
+        b_o += tl.dot(b_q_start.to(dtype), b_h.to(dtype), input_precision=DOT_PRECISION)
     b_a = (b_a * scale).to(dtype)
+    # the [BT, BV] offsets only after the K loop: a shorter live range, fewer registers in it
+    _, _, m_tv, v_offs = chunk_tile(i_v, chunk_row0, o_i, m_t, H, V, BV)
     tl.store(A + (chunk_row0 + o_i[:, None] * H) * BT + o_i[None, :], b_a, mask=m_t[:, None])
-    m_tv = m_t[:, None] & m_v[None, :]
-    v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
     b_v = tl.load(v + v_offs, mask=m_tv, other=0)
     # A's zeros above the diagonal would carry a non-finite v to earlier rows (0 * NaN): the dot
     # takes the finite entries, and the others join their own row only
-    b_o = b_o * scale + tl.dot(b_a, finite_or_zero(b_v), input_precision=DOT_PREC)
+    b_o = b_o * scale + tl.dot(b_a, finite_or_zero(b_v), input_precision=DOT_PRECISION)
     # (read again: keeping the tile alive across the dot spills more registers)
     b_o += nonfinite_part(tl.load(v + v_offs, mask=m_tv, other=0))
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
-def chunk_gla_bwd_dv_kernel(
+def chunk_gla_bwd_kernel_dv(
     k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dv = A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile, A the forward's scaled
     scores; grid like the output."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    t0 = t0.to(tl.int64)  # as in chunk_gla_fwd_o_kernel
+    i_v = tl.program_id(0)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     dtype = k.dtype.element_ty
-    chunk_len = seq_len - t0
-    chunk_row0 = (bos + t0) * H + i_h
     last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
-    o_i = tl.arange(0, BT)
-    m_t = o_i < chunk_len
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     dh_base = dh + (state_index * H + i_h) * K * V
 
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+        o_k, m_k, m_tk, offs = chunk_tile(i_k, chunk_row0, o_i, m_t, H, K, BK)
         b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
         b_g = tl.load(gk + offs, mask=m_tk, other=0)
         b_g_last = tl.load(gk + last_row * K + o_k, mask=m_k, other=0)
         b_k_end = tl.where(m_tk, b_k * tl.exp(b_g_last[None, :] - b_g), 0)
         b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-        b_dv += tl.dot(b_k_end.to(dtype), b_dh.to(dtype), input_precision=DOT_PREC)
+        b_dv += tl.dot(b_k_end.to(dtype), b_dh.to(dtype), input_precision=DOT_PRECISION)
     b_a = tl.load(A + (chunk_row0 + o_i[:, None] * H) * BT + o_i[None, :], mask=m_t[:, None], other=0)
-    m_tv = m_t[:, None] & m_v[None, :]
-    v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
+    _, _, m_tv, v_offs = chunk_tile(i_v, chunk_row0, o_i, m_t, H, V, BV)  # after the loop, as in the output kernel
     b_do = tl.load(do + v_offs, mask=m_tv, other=0)
-    b_dv += tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC)
+    b_dv += tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION)
     tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
-@triton.jit
-def chunk_gla_bwd_dqkg_kernel(
-    q, k, v, gk, wide, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+@jit_traced_as("EXACT_DIAGONAL", "chunk_gla_bwd_kernel_dqkg_exact")
+def chunk_gla_bwd_kernel_dqkg(
+    q, k, v, gk, exact_blocks, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
     """dq, dk and dg for one [BT, BK] tile; grid (cdiv(K, BK), NT, B * H). The chunks of
-    nonzero wide entries if WIDE (exact diagonal blocks), the others if not, as the output
+    nonzero exact_blocks entries if EXACT_DIAGONAL (exact diagonal blocks), the others if not, as the output
     kernel."""
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos, seq_len, t0, state_index = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    t0 = t0.to(tl.int64)  # as in chunk_gla_fwd_o_kernel
-    if not in_this_launch(tl.load(wide + state_index * H + i_h), WIDE):
+    i_k = tl.program_id(0)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    if not launch_takes_block(tl.load(exact_blocks + state_index * H + i_h), EXACT_DIAGONAL):
         return
     dtype = q.dtype.element_ty
-    chunk_len = seq_len - t0
-    chunk_row0 = (bos + t0) * H + i_h
     last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
-    o_i = tl.arange(0, BT)
-    m_t = o_i < chunk_len
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    offs = (chunk_row0 + o_i[:, None] * H) * K + o_k[None, :]
+    o_k, m_k, m_tk, offs = chunk_tile(i_k, chunk_row0, o_i, m_t, H, K, BK)
     b_q = tl.load(q + offs, mask=m_tk, other=0).to(tl.float32)
     b_k = tl.load(k + offs, mask=m_tk, other=0).to(tl.float32)
     b_g = tl.load(gk + offs, mask=m_tk, other=0)
@@ -241,19 +238,16 @@ def chunk_gla_bwd_dqkg_kernel(
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
     b_h_dh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        v_offs = (chunk_row0 + o_i[:, None] * H) * V + o_v[None, :]
+        o_v, m_v, m_tv, v_offs = chunk_tile(i_v, chunk_row0, o_i, m_t, H, V, BV)
         b_do = tl.load(do + v_offs, mask=m_tv, other=0)
         b_v = tl.load(v + v_offs, mask=m_tv, other=0)
         m_kv = m_k[:, None] & m_v[None, :]
         s_offs = state_base + o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(h + s_offs, mask=m_kv, other=0)
         b_dh = tl.load(dh + s_offs, mask=m_kv, other=0)
-        b_dq += tl.dot(b_do, tl.trans(b_h.to(dtype)), input_precision=DOT_PREC)
-        b_dk += tl.dot(b_v, tl.trans(b_dh.to(dtype)), input_precision=DOT_PREC)
-        b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(dtype)), input_precision=DOT_PRECISION)
+        b_dk += tl.dot(b_v, tl.trans(b_dh.to(dtype)), input_precision=DOT_PRECISION)
+        b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
         b_h_dh += tl.sum(b_h * b_dh, axis=1)
     b_da = tl.where((o_i[:, None] >= o_i[None, :]) & m_t[:, None], b_da * scale, 0)
     b_dq = tl.where(m_tk, b_dq * tl.exp(b_g) * scale, 0)
@@ -273,27 +267,27 @@ def chunk_gla_bwd_dqkg_kernel(
         # non-finite input to the rows outside them
         b_k_ref = tl.where(before[:, None], b_k * b_decay_k, 0).to(dtype)
         b_q_ref = tl.where(in_block[:, None], b_q * b_decay_q, 0).to(dtype)
-        b_dq += tl.where(in_block[:, None], b_decay_q * tl.dot(b_da_block, b_k_ref, input_precision=DOT_PREC), 0)
-        b_dk += tl.where(before[:, None], b_decay_k * tl.dot(tl.trans(b_da_block), b_q_ref, input_precision=DOT_PREC),
+        b_dq += tl.where(in_block[:, None], b_decay_q * tl.dot(b_da_block, b_k_ref, input_precision=DOT_PRECISION), 0)
+        b_dk += tl.where(before[:, None], b_decay_k * tl.dot(tl.trans(b_da_block), b_q_ref, input_precision=DOT_PRECISION),
                          0)
-    # The diagonal blocks: the middle split, or with WIDE the four levels of their bisection.
+    # The diagonal blocks: the middle split, or with EXACT_DIAGONAL the four levels of their bisection.
     # The t == s terms (decay 1) are added exactly, outside the dots: in dg = q dq - k dk they
     # cancel, and under strong decay they dominate, so bf16-rounded dot operands would leave
     # their rounding as dg's error.
     on_diagonal = o_i[:, None] == o_i[None, :]
     b_da_self = tl.sum(tl.where(on_diagonal, b_da, 0), axis=1)
     b_da_strict = tl.where((o_i[:, None] // BC == o_i[None, :] // BC) & ~on_diagonal, b_da, 0).to(dtype)
-    for level in range(1 + 3 * WIDE):
-        if WIDE:
+    for level in range(1 + 3 * EXACT_DIAGONAL):
+        if EXACT_DIAGONAL:
             b_rowfac, b_colfac, pairs = diagonal_split_factors(
                 gk + chunk_row0 * K, H * K, b_g, o_i, m_t, o_k, m_k, chunk_len, level, True, BC)
             b_da_split = tl.where(pairs, b_da_strict, 0)
         else:
             b_rel = offset_from_block_middle(gk, b_g, o_k, m_tk, o_i, chunk_row0, chunk_len, H, K, BC)
             b_rowfac, b_colfac, b_da_split = tl.exp(b_rel), tl.exp(-b_rel), b_da_strict
-        b_dq += b_rowfac * tl.dot(b_da_split, finite_or_zero(b_k * b_colfac).to(dtype), input_precision=DOT_PREC)
+        b_dq += b_rowfac * tl.dot(b_da_split, finite_or_zero(b_k * b_colfac).to(dtype), input_precision=DOT_PRECISION)
         b_dk += b_colfac * tl.dot(tl.trans(b_da_split), finite_or_zero(b_q * b_rowfac).to(dtype),
-                                  input_precision=DOT_PREC)
+                                  input_precision=DOT_PRECISION)
     b_dq += b_da_self[:, None] * b_k
     b_dk += b_da_self[:, None] * b_q
 
@@ -311,26 +305,26 @@ def _launch_shape(kernel: str, q: torch.Tensor, v: torch.Tensor):
     return B, T, H, K, V, *tiles(kernel, K, V)
 
 
-def gla_gate_cumsum(
+def chunk_gla_gate_cumsum(
     g: torch.Tensor, dtype: torch.dtype, cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 chunk-local cumsum `[B, T, H, K]` of the log gate g, and int32 `wide`
+    """fp32 chunk-local cumsum `[B, T, H, K]` of the log gate g, and int32 `exact_blocks`
     `[NT_all, H]`: the chunks whose diagonal blocks are too wide for the dot path with
     operands of `dtype` (`cp_linattn.ops.common.intra`)."""
     B, T, H, _ = g.shape
-    wide = new_wide_bits(B, T, H, CHUNK_SIZE, chunk_indices, g.device)
-    gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, wide=wide,
+    exact_blocks = new_exact_block_bits(B, T, H, CHUNK_SIZE, chunk_indices, g.device)
+    gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, exact_blocks=exact_blocks,
                             sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit(dtype))
-    return gk, wide
+    return gk, exact_blocks
 
 
 def chunk_gla_fwd_o(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, wide: torch.Tensor, h: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, exact_blocks: torch.Tensor, h: torch.Tensor,
     scale: float, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and its wide bits
-    (`gla_gate_cumsum`) and the states h
+    """Output `[B, T, H, V]` (v's dtype) from the gate cumsum gk (fp32) and its exact_blocks bits
+    (`chunk_gla_gate_cumsum`) and the states h
     (`[B, NT, H, K, V]`, state before each chunk, from `chunk_fwd_h`); and the scaled
     intra-chunk scores A `[B, T, H, CHUNK_SIZE]` in q's dtype (row t of a chunk holds
     `scale * sum_k q_tk k_sk exp(b_tk - b_sk)` for its keys s <= t, zeros after), which dv reads."""
@@ -338,13 +332,13 @@ def chunk_gla_fwd_o(
     o = torch.empty_like(v)
     A = q.new_empty(*q.shape[:3], CHUNK_SIZE)
     if NT > 0:
-        for wide_chunks in (False, True):  # each chunk runs in one of them
-            kernel = split_launch("gla_fwd_o", wide_chunks)
+        for exact in (False, True):  # each chunk runs in one of them
+            kernel = exact_path_key("chunk_gla_fwd_o", exact)
             B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
-            chunk_gla_fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
-                q, k, v, gk, wide, h, o, A, cu_seqlens, chunk_indices, scale, T,
+            chunk_gla_fwd_kernel_o[(triton.cdiv(V, BV), NT, B * H)](
+                q, k, v, gk, exact_blocks, h, o, A, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
+                IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype), EXACT_DIAGONAL=exact,
                 **launch_options(kernel),
             )
     return o, A
@@ -356,119 +350,133 @@ def chunk_gla_bwd_dv(
 ) -> torch.Tensor:
     """dv `[B, T, H, V]` in do's dtype; A from `chunk_gla_fwd_o`, dh fp32 `[B, NT, H, K, V]`
     from `chunk_bwd_dh`."""
-    B, T, H, K, V, BK, BV = _launch_shape("gla_bwd_dv", k, do)
+    B, T, H, K, V, BK, BV = _launch_shape("chunk_gla_bwd_dv", k, do)
     NT = dh.shape[1]
     dv = torch.empty_like(do)
     if NT > 0:
-        chunk_gla_bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
+        chunk_gla_bwd_kernel_dv[(triton.cdiv(V, BV), NT, B * H)](
             k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), **launch_options("gla_bwd_dv"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype), **launch_options("chunk_gla_bwd_dv"),
         )
     return dv
 
 
 def chunk_gla_bwd_dqkg(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, wide: torch.Tensor, h: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, exact_blocks: torch.Tensor, h: torch.Tensor,
     do: torch.Tensor, dh: torch.Tensor, scale: float,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
     dg_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk (q's dtype) and dg (`dg_dtype`; accumulated in fp32), all `[B, T, H, K]`;
-    gk and wide from `gla_gate_cumsum`."""
+    gk and exact_blocks from `chunk_gla_gate_cumsum`."""
     NT = h.shape[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(gk, dtype=dg_dtype)
     if NT > 0:
-        for wide_chunks in (False, True):  # each chunk runs in one of them
-            kernel = split_launch("gla_bwd_dqkg", wide_chunks)
+        for exact in (False, True):  # each chunk runs in one of them
+            kernel = exact_path_key("chunk_gla_bwd_dqkg", exact)
             B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
-            chunk_gla_bwd_dqkg_kernel[(triton.cdiv(K, BK), NT, B * H)](
-                q, k, v, gk, wide, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+            chunk_gla_bwd_kernel_dqkg[(triton.cdiv(K, BK), NT, B * H)](
+                q, k, v, gk, exact_blocks, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
-                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), WIDE=wide_chunks,
+                IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype), EXACT_DIAGONAL=exact,
                 **launch_options(kernel),
             )
     return dq, dk, dg
 
 
-class ChunkGLAFunction(torch.autograd.Function):
-    """Autograd wrapper over the chunk kernels; inputs are validated and contiguous.
+@dataclass
+class ChunkGLASaved:
+    """What the forward keeps for the backward: the inputs, the gate cumsum and its exact
+    blocks, the per-chunk states h and the scaled intra-chunk scores A, the varlen tables."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gk: torch.Tensor
+    exact_blocks: torch.Tensor
+    h: torch.Tensor
+    A: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
 
-    The states enter through `chunk_fwd_h(h0=...)` and `chunk_bwd_dh(dht=...)`. Under
-    context parallelism (`cp_context`) the state handed over by the earlier ranks (and the
-    gradient by the later ones) enters the local passes the same way on a rank where the
-    sequence ends (begins), and is added to a middle rank's stored states after its pass
-    (cp/state.py); `initial_state` / the final state are indexed by the GLOBAL sequences of
-    the packed batch.
-    """
+
+def chunk_gla_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    cp_context: FLACPContext | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, ChunkGLASaved, CPExchange | None]:
+    """Forward of chunked GLA on validated, contiguous inputs: gate cumsum, states, output.
+
+    Returns o, the final state (or None), what the backward reads, and under CP the exchange."""
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    gk, exact_blocks = chunk_gla_gate_cumsum(g, q.dtype, **varlen)
+    # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
+    walk = dict(chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, states_dtype=q.dtype, **varlen)
+    exchange = None
+    if cp_context is None:
+        h, ht, _ = chunk_fwd_h(k, v, gk, h0=initial_state, output_final_state=output_final_state, **walk)
+    else:
+        h, ht, exchange = gla_cp_fwd_h(k, v, gk, initial_state=initial_state, output_final_state=output_final_state,
+                                       context=cp_context, **walk)
+    o, A = chunk_gla_fwd_o(q=q, k=k, v=v, gk=gk, exact_blocks=exact_blocks, h=h, scale=scale, **varlen)
+    return o, ht, ChunkGLASaved(q, k, v, gk, exact_blocks, h, A, cu_seqlens, chunk_indices, chunk_offsets), exchange
+
+
+def chunk_gla_bwd(
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    saved: ChunkGLASaved,
+    scale: float,
+    need_dh0: bool,
+    g_dtype: torch.dtype,
+    exchange: CPExchange | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward of chunked GLA: state gradients, dv, then dq, dk, dg (in `g_dtype`).
+
+    need_dh0: the user passed an initial state. Under CP `exchange` is the forward's.
+    Returns dq, dk, dv, dg and the initial state's gradient (fp32) or None."""
+    varlen = dict(cu_seqlens=saved.cu_seqlens, chunk_indices=saved.chunk_indices)
+    walk = dict(chunk_offsets=saved.chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
+    do = do.to(saved.q.dtype).contiguous()
+    if exchange is None:
+        dh, dh0, _ = chunk_bwd_dh(saved.q, saved.gk, do, scale, dht=dht, need_dh0=need_dh0, **walk)
+    else:
+        dh, dh0 = gla_cp_bwd_dh(saved.q, saved.gk, do, scale, dht=dht, need_dh0=need_dh0, exchange=exchange, **walk)
+    dv = chunk_gla_bwd_dv(k=saved.k, gk=saved.gk, A=saved.A, do=do, dh=dh, **varlen)
+    dq, dk, dg = chunk_gla_bwd_dqkg(q=saved.q, k=saved.k, v=saved.v, gk=saved.gk, exact_blocks=saved.exact_blocks,
+                                    h=saved.h, do=do, dh=dh, scale=scale, dg_dtype=g_dtype, **varlen)
+    return dq, dk, dv, dg, dh0
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    """Autograd over `chunk_gla_fwd` / `chunk_gla_bwd`; inputs are validated and contiguous.
+    Under CP the state chain crosses ranks in `cp_linattn.cp.gla` (cp/README.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        gk, wide = gla_gate_cumsum(g, q.dtype, **varlen)
-        H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        h0, record, S_in, need_ht = initial_state, None, None, output_final_state
-        middle, sends_after_pass = False, False
-        if cp_context is not None:
-            # Ranks at the ends of a sequence pay nothing extra: one that receives no state sends
-            # its local pass's final state, one that sends none receives before its pass; a middle
-            # rank adds the received state to its pass's states afterwards (cp/state.py).
-            receives, sends = cp_context.pre_num_ranks > 0, cp_context.post_num_ranks > 0
-            middle, sends_after_pass = receives and sends, not receives
-            if receives and not sends:
-                S_in, record = receive_state(cp_context, (H, K, V), diagonal=True)
-            h0 = expand_h0(S_in, initial_state, cp_context, (H, K, V))
-            need_ht = output_final_state or sends or sends_after_pass
-        # States in q's dtype: the output and dq kernels cast them to that dtype anyway.
-        h, ht, decays = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=need_ht, chunk_offsets=chunk_offsets,
-                                    chunk_size=CHUNK_SIZE, states_dtype=q.dtype, output_decays=middle, **varlen)
-        if middle:
-            record = gla_apply_incoming_state(h, ht, decays, cp_context)
-        elif sends_after_pass:
-            record = send_final_state(ht, cp_context, diagonal=True)
-        if cp_context is not None:
-            ht = scatter_final_state(ht, cp_context, cp_context.global_num_seqs, initial_state) \
-                if output_final_state else None
-        o, A = chunk_gla_fwd_o(q, k, v, gk, wide, h, scale, **varlen)
-        ctx.save_for_backward(q, k, v, gk, wide, h, A, cu_seqlens, chunk_indices, chunk_offsets)
-        ctx.scale = scale
-        ctx.g_dtype = g.dtype
-        ctx.cp = (cp_context, record, initial_state is not None)
+        o, ht, saved, exchange = chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                                               chunk_indices, chunk_offsets, cp_context)
+        save_for_backward(ctx, saved)
+        ctx.options = dict(scale=scale, need_dh0=initial_state is not None, g_dtype=g.dtype, exchange=exchange)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         refuse_double_backward("chunk_gla")
-        q, k, v, gk, wide, h, A, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
-        cp_context, record, user_h0 = ctx.cp
-        scale = ctx.scale
-        varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        do = do.to(q.dtype).contiguous()
-        H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        dht_global = dht
-        need_dh0, middle, sends_after_pass = user_h0, False, False
-        if cp_context is not None:
-            receives, sends = cp_context.post_num_ranks > 0, cp_context.pre_num_ranks > 0
-            middle, sends_after_pass = receives and sends, not receives
-            if receives and not sends:
-                dht = receive_final_state_grad(dht, record, (H, K, V))
-            else:
-                dht = gather_final_state_grad(dht, cp_context)
-            need_dh0 = user_h0 or sends or sends_after_pass
-        dh, dh0, decay = chunk_bwd_dh(q, gk, do, scale, dht=dht, need_dh0=need_dh0, chunk_offsets=chunk_offsets,
-                                      chunk_size=CHUNK_SIZE, output_decays=middle, **varlen)
-        if middle:
-            gla_apply_incoming_grad(dh, dh0, decay, record)
-        elif sends_after_pass:
-            send_first_state_grad(dh0, record)
-        dv = chunk_gla_bwd_dv(k, gk, A, do, dh, **varlen)
-        dq, dk, dg = chunk_gla_bwd_dqkg(q, k, v, gk, wide, h, do, dh, scale, dg_dtype=ctx.g_dtype, **varlen)
-        if cp_context is not None:
-            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht_global) if user_h0 else None
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd(do, dht, saved_tensors(ctx), **ctx.options)
         return dq, dk, dv, dg, None, dh0, None, None, None, None
 
 

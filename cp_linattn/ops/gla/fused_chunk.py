@@ -47,12 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_linattn.ops.common.index import whole_chunk_segments
 from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.cumsum import floor_log_decay, suffix_sum
 from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, within_span
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import (_fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor,
-                                  kernel_state, refuse_double_backward, whole_chunk_segments)
+from cp_linattn.ops.utils import _fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor, kernel_state, refuse_double_backward
 
 CHUNK = 16
 # Segments (`segment_count`): a walk's programs per SM to aim at; the shortest segment, below
@@ -77,6 +77,29 @@ def _sequence_offsets(i_b, i_h, T, H: tl.constexpr, D: tl.constexpr, HEAD_FIRST:
         base = (i_b.to(tl.int64) * T * H + i_h) * D
         stride = H * D
     return base, stride
+
+
+@triton.jit
+def _segment_block(T, seg_chunks, B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HEAD_FIRST: tl.constexpr):
+    """Where a program of grid (NV * S, NK, B * H) works: (i_v, i_k, the K-side and V-side
+    sequence offsets and strides, o_k, o_v, m_k, m_v, its (segment, batch, head) index i_sbh,
+    the offsets and mask of its state block, the first and end chunk of its segment)."""
+    NV = (V + BV - 1) // BV
+    i_sv, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_v = i_sv // NV, i_sv % NV
+    i_b, i_h = i_bh // H, i_bh % H
+    base_k, st_k = _sequence_offsets(i_b, i_h, T, H, K, HEAD_FIRST)
+    base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    i_sbh = (i_s * B * H + i_bh).to(tl.int64)
+    p_h = i_sbh * K * V + o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+    t_start = i_s * seg_chunks
+    t_end = tl.minimum(t_start + seg_chunks, tl.cdiv(T, BT))
+    return i_v, i_k, base_k, st_k, base_v, st_v, o_k, o_v, m_k, m_v, i_sbh, p_h, m_h, t_start, t_end
 
 
 @triton.jit
@@ -152,22 +175,11 @@ def _intra_chunk(b_qs, b_k, b_gc, b_dp, BT: tl.constexpr, BK: tl.constexpr, GRAD
 @triton.jit
 def fused_chunk_gla_fwd_kernel(
     q, k, v, g, o, h0, ht, decay,
-    scale,
-    T,
-    seg_chunks,
-    B: tl.constexpr,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    HEAD_FIRST: tl.constexpr,
-    USE_H0: tl.constexpr,
-    STORE_HT: tl.constexpr,
-    STATE_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    SPAN_LIMIT: tl.constexpr,
+    scale, T, seg_chunks,
+    B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HEAD_FIRST: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STATE_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Output and final state of one (K-block, V-block) of one (batch, head) over one segment.
 
@@ -179,27 +191,15 @@ def fused_chunk_gla_fwd_kernel(
     `[S, B, H, K]`, receives the exp of each segment's gate total (the K-block's V-block 0
     writes it). Grid: (NV * S, NK, B * H).
     """
-    NV = (V + BV - 1) // BV
-    i_sv, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_v = i_sv // NV, i_sv % NV
-    i_b, i_h = i_bh // H, i_bh % H
-    base_k, st_k = _sequence_offsets(i_b, i_h, T, H, K, HEAD_FIRST)
-    base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
+    (i_v, i_k, base_k, st_k, base_v, st_v, o_k, o_v, m_k, m_v, i_sbh, p_h, m_h, t_start,
+     t_end) = _segment_block(T, seg_chunks, B, H, K, V, BT, BK, BV, HEAD_FIRST)
     if not STATE_ONLY:
         o += i_k.to(tl.int64) * B * T * H * V
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    i_sbh = (i_s * B * H + i_bh).to(tl.int64)
-    p_h = i_sbh * K * V + o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     b_gsum = tl.zeros([BK], dtype=tl.float32)
-    if USE_H0:
+    if USE_INITIAL_STATE:
         b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
-    t_start = i_s * seg_chunks
-    t_end = tl.minimum(t_start + seg_chunks, tl.cdiv(T, BT))
     for i_t in range(t_start, t_end):
         p_kd, p_vd, m_tk, m_tv, b_gc, b_glast = _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k, o_v,
                                                              m_k, m_v, BT)
@@ -222,7 +222,7 @@ def fused_chunk_gla_fwd_kernel(
 
         b_kd = (b_k * tl.exp(b_glast[None, :] - b_gc)).to(b_v.dtype)
         b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=DOT_PRECISION)
-    if STORE_HT:
+    if STORE_FINAL_STATE:
         tl.store(ht + p_h, b_h.to(ht.dtype.element_ty), mask=m_h)
     if STATE_ONLY:
         # The total is summed in fp32 before the one exp (<= 1), never as a product of decays.
@@ -233,24 +233,12 @@ def fused_chunk_gla_fwd_kernel(
 def fused_chunk_gla_bwd_kernel(
     q, k, v, g, do, h0, dht,
     dq, dk, dv, dg, dh0,
-    scale,
-    T,
-    seg_chunks,
-    B: tl.constexpr,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    HEAD_FIRST: tl.constexpr,
-    USE_H0: tl.constexpr,
-    USE_DHT: tl.constexpr,
-    STORE_DH0: tl.constexpr,
-    DH_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    SPAN_LIMIT: tl.constexpr,
-    STATE_PRECISION: tl.constexpr,
+    scale, T, seg_chunks,
+    B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HEAD_FIRST: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DH_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPAN_LIMIT: tl.constexpr, STATE_PRECISION: tl.constexpr,
 ):
     """All gradients of one (K-block, V-block) of one (batch, head) over one segment.
 
@@ -266,25 +254,13 @@ def fused_chunk_gla_bwd_kernel(
     leave an error that grows with T. So every product with h or dh (and their updates)
     takes fp32 operands at STATE_PRECISION (fp32-accurate), for any input dtype.
     """
-    NV = (V + BV - 1) // BV
-    i_sv, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_v = i_sv // NV, i_sv % NV
-    i_b, i_h = i_bh // H, i_bh % H
-    base_k, st_k = _sequence_offsets(i_b, i_h, T, H, K, HEAD_FIRST)
-    base_v, st_v = _sequence_offsets(i_b, i_h, T, H, V, HEAD_FIRST)
+    (i_v, i_k, base_k, st_k, base_v, st_v, o_k, o_v, m_k, m_v, _, p_h, m_h, t_start,
+     t_end) = _segment_block(T, seg_chunks, B, H, K, V, BT, BK, BV, HEAD_FIRST)
     if not DH_ONLY:
         dq += i_v.to(tl.int64) * B * T * H * K
         dk += i_v.to(tl.int64) * B * T * H * K
         dg += i_v.to(tl.int64) * B * T * H * K
         dv += i_k.to(tl.int64) * B * T * H * V
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    i_sbh = (i_s * B * H + i_bh).to(tl.int64)
-    p_h = i_sbh * K * V + o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
-    t_start = i_s * seg_chunks
-    t_end = tl.minimum(t_start + seg_chunks, tl.cdiv(T, BT))
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
@@ -293,7 +269,7 @@ def fused_chunk_gla_bwd_kernel(
         # Forward sweep: rebuild the states; dq's inter-chunk part needs the state before each
         # chunk. It is parked in this program's own slot of dg (fp32), which the reverse sweep
         # reads back and overwrites chunk by chunk with the gate gradient.
-        if USE_H0:
+        if USE_INITIAL_STATE:
             b_h += tl.load(h0 + p_h, mask=m_h, other=0).to(tl.float32)
         for i_t in range(t_start, t_end):
             p_kd, p_vd, m_tk, m_tv, b_gc, b_glast = _chunk_tiles(g, base_k, st_k, base_v, st_v, i_t, T, o_k,
@@ -313,7 +289,7 @@ def fused_chunk_gla_bwd_kernel(
         # reaches every gate of the segment through its total decay, so sum_v(h_end * dht),
         # which is what all later tokens and the user's dht give them, starts the gate
         # gradient's reverse cumulative sum.
-        if USE_DHT:
+        if USE_FINAL_STATE_GRADIENT:
             b_dh += tl.load(dht + p_h, mask=m_h, other=0).to(tl.float32)
             b_dg_carry += tl.sum(b_h * b_dh, axis=1)
         # The reverse sweep reads dq values that other threads of this program stored above.
@@ -357,7 +333,7 @@ def fused_chunk_gla_bwd_kernel(
         b_qg = b_qs * tl.exp(b_gc)
         b_dh = b_dh * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(tl.float32),
                                                         input_precision=STATE_PRECISION)
-    if STORE_DH0:
+    if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + p_h, b_dh, mask=m_h)
 
 
@@ -411,14 +387,18 @@ def _scan_segments(local: torch.Tensor, decay: torch.Tensor, start: torch.Tensor
     return out
 
 
-def _launch_config(kernel: str, K: int, V: int, dtype: torch.dtype) -> dict:
-    """Block sizes, warps and stages (ops/launch.py), and the fp32 dot precision.
+def _launch_config(kernel: str, q: torch.Tensor, v: torch.Tensor, head_first: bool):
+    """(B, T, H, K, V, K-blocks NK, V-blocks NV, the launch's keyword arguments: block sizes,
+    warps and stages (ops/launch.py), and the fp32 dot precision).
 
     fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
     """
+    B, T, H, K = _shape(q, head_first)
+    V = v.shape[-1]
     BK, BV = tiles(kernel, K, V)
-    return dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype), SPAN_LIMIT=SAFE_SPAN,
-                **launch_options(kernel))
+    cfg = dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), SPAN_LIMIT=SAFE_SPAN,
+               **launch_options(kernel))
+    return B, T, H, K, V, triton.cdiv(K, BK), triton.cdiv(V, BV), cfg
 
 
 def _sum_blocks(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -454,16 +434,13 @@ def fused_chunk_gla_fwd(
     S = 1 (possibly None), else fp32 `[S, B, H, K, V]`; and each one's decay, the exp of its
     gate total, fp32 `[S, B, H, K]` (None for S = 1).
     """
-    B, T, H, K = _shape(q, head_first)
-    V = v.shape[-1]
+    B, T, H, K, V, NK, NV, cfg = _launch_config("fused_chunk_gla_fwd", q, v, head_first)
     S, seg_chunks = segments
-    cfg = _launch_config("fused_chunk_gla_fwd", K, V, q.dtype)
-    NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
 
     def walk(o, h0, ht, decay):
         fused_chunk_gla_fwd_kernel[(NV * S, NK, B * H)](
             q, k, v, g, o, h0, ht, decay, scale, T, seg_chunks,
-            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_H0=h0 is not None, STORE_HT=ht is not None,
+            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
             STATE_ONLY=o is None, **cfg,
         )
 
@@ -499,18 +476,15 @@ def fused_chunk_gla_bwd(
     """Launch the backward kernel over the forward's `segments`, with the segments' entering
     states h0 and decays as `fused_chunk_gla_fwd` returned them; returns dq, dk, dv, dg
     (dtypes of q, k, v, g) and fp32 dh0 `[B, H, K, V]` (None unless need_dh0)."""
-    B, T, H, K = _shape(q, head_first)
-    V = v.shape[-1]
+    B, T, H, K, V, NK, NV, cfg = _launch_config("fused_chunk_gla_bwd", q, v, head_first)
     S, seg_chunks = segments
-    cfg = _launch_config("fused_chunk_gla_bwd", K, V, q.dtype)
-    NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
 
     def walk(grads, h0, dht, dh0):
         dq, dk, dv, dg = grads
         fused_chunk_gla_bwd_kernel[(NV * S, NK, B * H)](
             q, k, v, g, do, h0, dht, dq, dk, dv, dg, dh0, scale, T, seg_chunks,
-            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_H0=h0 is not None, USE_DHT=dht is not None,
-            STORE_DH0=dh0 is not None, DH_ONLY=dq is None,
+            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+            STORE_INITIAL_STATE_GRADIENT=dh0 is not None, DH_ONLY=dq is None,
             STATE_PRECISION=fp32_dot_precision(q.dtype), **cfg,
         )
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_linattn.ops.utils import check_inputs, check_scale, join_sequence_outputs, sequence_spans
+from cp_linattn.ops.common.index import host_sequence_bounds, join_sequence_outputs
+from cp_linattn.ops.utils import check_inputs, check_scale
 
 
 def naive_recurrent_gla(
@@ -36,7 +37,7 @@ def naive_recurrent_gla(
     out_dtype = v.dtype
     q, k, v, g = (x.float() for x in (q, k, v, g))
     outs, finals = [], []
-    for n, (b, start, end) in enumerate(sequence_spans(dims)):
+    for n, (b, start, end) in enumerate(host_sequence_bounds(dims)):
         S = q.new_zeros(dims.H, dims.K, dims.V) if initial_state is None else initial_state[n].float()
         o_seq = [q.new_zeros(0, dims.H, dims.V)]
         for t in range(start, end):

@@ -1,27 +1,69 @@
-"""`chunk_kda`: chunked Kimi Delta Attention (forward `chunk_fwd`, backward `chunk_bwd`)."""
+"""`chunk_kda`: chunked Kimi Delta Attention (forward `chunk_kda_fwd`, backward `chunk_kda_bwd`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
-from cp_linattn.cp.state import compress_h0
+from cp_linattn.cp.exchange import CPExchange
+from cp_linattn.ops.common.l2norm import l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
-from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd, l2norm_bwd, l2norm_fwd
+from cp_linattn.ops.kda.chunk_fwd import ChunkKDAIntra, KDAGate, chunk_kda_fwd
 from cp_linattn.ops.kda.wy import CHUNK_SIZE
 from cp_linattn.ops.utils import (check_flag, check_scale, check_tensor, kernel_state, prepare_varlen_chunks,
-                                  refuse_double_backward)
+                                  refuse_double_backward, save_for_backward, saved_tensors)
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND = -5.0
-# Always kept for the backward: the state pass is the sequential one, costly to redo. h stays
-# fp32, as the gate gradient's rowsum(h * dh) cancels. The fp32 gate cumsum is kept too (a pass
-# over g saved, for T * HV * K * 4 bytes), with its per-chunk bits of the diagonal blocks too
-# wide for the dot path; the intra-chunk WY quantities are rebuilt unless disable_recompute.
-KEPT = ("h", "v_new", "gk", "wide")
-RECOMPUTED = ("w", "qg", "kg")
+
+
+@dataclass
+class ChunkKDASaved:
+    """What the forward keeps for the backward. Always: the inputs, the states h (the state
+    pass is the sequential one, costly to redo; fp32, as the gate gradient's rowsum(h * dh)
+    cancels), v_new, and `intra`'s gk with its exact blocks, Aqk, Akk (a pass over g saved, for
+    T * HV * K * 4 bytes). With disable_recompute also w, qg, kg and the normalised q, k
+    (None otherwise: the backward rebuilds them)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    h: torch.Tensor
+    v_new: torch.Tensor
+    gk: torch.Tensor
+    exact_blocks: torch.Tensor
+    Aqk: torch.Tensor
+    Akk: torch.Tensor
+    w: torch.Tensor | None
+    qg: torch.Tensor | None
+    kg: torch.Tensor | None
+    q_normed: torch.Tensor | None
+    k_normed: torch.Tensor | None
+
+    def intra(self) -> ChunkKDAIntra:
+        return ChunkKDAIntra(gk=self.gk, exact_blocks=self.exact_blocks, w=self.w, u=None, qg=self.qg, kg=self.kg,
+                             Aqk=self.Aqk, Akk=self.Akk)
+
+
+@dataclass(frozen=True)
+class ChunkKDAOptions:
+    """The non-tensor arguments the backward needs."""
+    scale: float
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    lower_bound: float | None
+    state_v_first: bool
+    h0_dtype: torch.dtype | None
+    exchange: CPExchange | None
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -33,47 +75,42 @@ class ChunkKDAFunction(torch.autograd.Function):
         if cu_seqlens is not None:
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if use_qk_l2norm_in_kernel else (q, k)
-        o, final_state, saved = chunk_kda_fwd(
-            qn, kn, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log, dt_bias,
-            lower_bound, state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_context,
+        gate = KDAGate(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
+        o, final_state, intra, h, v_new, exchange = chunk_kda_fwd(
+            qn, kn, v, g, beta, scale, initial_state, output_final_state, gate, state_v_first, cu_seqlens,
+            chunk_indices, chunk_offsets, cp_context,
         )
-        kept = [saved[n] for n in RECOMPUTED] if disable_recompute else []
-        normed = [qn, kn] if disable_recompute and use_qk_l2norm_in_kernel else []
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices,
-                              chunk_offsets, saved["Aqk"], saved["Akk"], *(saved[n] for n in KEPT), *kept, *normed)
-        ctx.options = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, disable_recompute,
-                       state_v_first)
-        ctx.cp = (cp_context, saved["cp_record"], None if initial_state is None else initial_state.dtype)
+        keep = disable_recompute
+        normed = keep and use_qk_l2norm_in_kernel
+        save_for_backward(ctx, ChunkKDASaved(
+            q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, h, v_new, intra.gk,
+            intra.exact_blocks, intra.Aqk, intra.Akk, intra.w if keep else None, intra.qg if keep else None,
+            intra.kg if keep else None, qn if normed else None, kn if normed else None))
+        ctx.options = ChunkKDAOptions(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, state_v_first,
+                                      None if initial_state is None else initial_state.dtype, exchange)
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         refuse_double_backward("chunk_kda")
-        (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_indices, chunk_offsets, Aqk, Akk,
-         *rest) = ctx.saved_tensors
-        cp_context, cp_record, h0_dtype = ctx.cp
-        scale, use_l2norm, use_gate, lower_bound, disable_recompute, state_v_first = ctx.options
-        saved = dict(Aqk=Aqk, Akk=Akk, **dict(zip(KEPT, rest)))
-        rest = rest[len(KEPT):]
-        if disable_recompute:
-            saved.update(zip(RECOMPUTED, rest))
-        if use_l2norm:
-            qn, kn = rest[len(RECOMPUTED):] if disable_recompute else (l2norm_fwd(q), l2norm_fwd(k))
-        else:
-            qn, kn = q, k
+        saved: ChunkKDASaved = saved_tensors(ctx)
+        opt: ChunkKDAOptions = ctx.options
+        qn, kn = saved.q, saved.k
+        if opt.use_qk_l2norm_in_kernel:
+            qn, kn = (saved.q_normed, saved.k_normed) if saved.q_normed is not None else \
+                (l2norm_fwd(saved.q), l2norm_fwd(saved.k))
         # The kernels write every gradient in its input's dtype; dq, dk stay fp32 when the
         # l2norm backward (fp32 math, q's / k's dtype out) consumes them.
+        gate = KDAGate(saved.A_log, saved.dt_bias, opt.lower_bound) if opt.use_gate_in_kernel else None
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
-            qn, kn, v, g, beta, scale, do, dht, h0_dtype is not None, saved, use_gate, A_log, dt_bias, lower_bound,
-            state_v_first, cu_seqlens, chunk_indices, chunk_offsets, cp_record,
-            dqk_dtype=torch.float32 if use_l2norm else q.dtype,
+            qn, kn, saved.v, saved.g, saved.beta, opt.scale, do, dht, opt.h0_dtype is not None, saved.intra(),
+            saved.h, saved.v_new, gate, opt.state_v_first, saved.cu_seqlens, saved.chunk_indices,
+            saved.chunk_offsets, opt.exchange, dqk_dtype=torch.float32 if opt.use_qk_l2norm_in_kernel else saved.q.dtype,
         )
-        if cp_context is not None:
-            dh0 = compress_h0(dh0, cp_context, cp_context.global_num_seqs, dht) if h0_dtype else None
         if dh0 is not None:
-            dh0 = dh0.to(h0_dtype)
-        if use_l2norm:
-            dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+            dh0 = dh0.to(opt.h0_dtype)
+        if opt.use_qk_l2norm_in_kernel:
+            dq, dk = l2norm_bwd(saved.q, dq), l2norm_bwd(saved.k, dk)
         return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
                 None)
 

@@ -17,9 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_delta_h import chunk_span
+from cp_linattn.ops.launch import jit_traced_as, launch_options
+
+from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.cumsum import LOG_DECAY_FLOOR, floor_log_decay, suffix_sum
-from cp_linattn.ops.common.intra import mark_wide_diagonal_blocks
+from cp_linattn.ops.common.intra import mark_exact_diagonal_blocks
 from cp_linattn.ops.utils import compiled_for_nvidia
 
 
@@ -62,24 +64,24 @@ def kda_gate_activation(b_x, b_A, LOWER_BOUND: tl.constexpr, lower_bound, HAS_A:
     return b_gate, b_dx, b_dA
 
 
-@triton.jit
-def kda_gate_cumsum_kernel(
-    g, A_log, dt_bias, g_cum, wide, dg_cum, dg, dA_part, dbias_part,
+@jit_traced_as("BACKWARD", "kda_gate_bwd_kernel_cumsum")
+def kda_gate_fwd_kernel_cumsum(
+    g, A_log, dt_bias, g_cum, exact_blocks, dg_cum, dg, dA_part, dbias_part,
     cu_seqlens, chunk_indices,
     lower_bound, T,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER_BOUND: tl.constexpr,
-    BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr, MARK_WIDE: tl.constexpr, BC: tl.constexpr,
+    BACKWARD: tl.constexpr, IS_VARLEN: tl.constexpr, MARK_EXACT: tl.constexpr, BC: tl.constexpr,
     SPAN_LIMIT: tl.constexpr, APPROX_LOG: tl.constexpr,
 ):
     """Forward: g_cum = cumsum_in_chunk(gate(g)), the gate floored at LOG_DECAY_FLOOR, and with
-    MARK_WIDE the bits of the chunk's diagonal BC-blocks too wide for the dot path ORed into
-    wide, int32 `[NT_all, HV]` (`mark_wide_diagonal_blocks`). Backward: dg = gate'(g) *
+    MARK_EXACT the bits of the chunk's diagonal BC-blocks too wide for the dot path ORed into
+    exact_blocks, int32 `[NT_all, HV]` (`mark_exact_diagonal_blocks`). Backward: dg = gate'(g) *
     reverse_cumsum(dg_cum) (0 where the gate was floored), plus per-chunk sums over tokens for
     dA_log/dt_bias `[NT_all, HV, K]`. Grid (cdiv(K, BK), NT_all, B * HV)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, seq_len, t0, chunk_id = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, chunk_id = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     o_t = t0 + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -109,14 +111,14 @@ def kda_gate_cumsum_kernel(
     else:
         b_gate = tl.where(m, floor_log_decay(b_gate), 0)
         tl.store(g_cum + offs, tl.cumsum(b_gate, axis=0), mask=m)
-        if MARK_WIDE:
-            mark_wide_diagonal_blocks(wide + chunk_id * HV + i_h, b_gate, seq_len - t0,
+        if MARK_EXACT:
+            mark_exact_diagonal_blocks(exact_blocks + chunk_id * HV + i_h, b_gate, seq_len - t0,
                                       BC, BT // BC, SPAN_LIMIT)
 
 
 def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, sub_chunk_size=16,
             span_limit=0.0, **buffers):
-    """Runs the forward (buffers g_cum, wide) or the backward (dg_cum, dg, dA_part, dbias_part);
+    """Runs the forward (buffers g_cum, exact_blocks) or the backward (dg_cum, dg, dA_part, dbias_part);
     the `[B, T, HV, K]` buffers contiguous (`g.new_empty(g.shape)`, never `empty_like(g)`, which
     would copy a non-contiguous g's strides that the kernel's flat offsets do not follow)."""
     B, T, HV, K = g.shape
@@ -124,20 +126,21 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
     BK = min(64, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(K, BK), NT // B if cu_seqlens is None else NT, B * HV)
     if NT > 0:
-        kda_gate_cumsum_kernel[grid](
+        kda_gate_fwd_kernel_cumsum[grid](
             g.contiguous(), A_log.contiguous() if A_log is not None else None,
             dt_bias.contiguous() if dt_bias is not None else None,
-            *(buffers.get(n) for n in ("g_cum", "wide", "dg_cum", "dg", "dA_part", "dbias_part")),
+            *(buffers.get(n) for n in ("g_cum", "exact_blocks", "dg_cum", "dg", "dA_part", "dbias_part")),
             cu_seqlens, chunk_indices, float(lower_bound) if lower_bound is not None else 0.0, T,
             HV=HV, K=K, BT=chunk_size, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
-            MARK_WIDE=buffers.get("wide") is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
+            MARK_EXACT=buffers.get("exact_blocks") is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
             APPROX_LOG=compiled_for_nvidia(g),
+            **launch_options("kda_gate_bwd_cumsum" if "dg" in buffers else "kda_gate_fwd_cumsum"),
         )
     return NT
 
 
-def kda_gate_chunk_cumsum(
+def kda_gate_fwd_cumsum(
     g: torch.Tensor,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None = None,
@@ -145,7 +148,7 @@ def kda_gate_chunk_cumsum(
     chunk_size: int = 64,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-    wide: torch.Tensor | None = None,
+    exact_blocks: torch.Tensor | None = None,
     sub_chunk_size: int = 16,
     span_limit: float = 0.0,
 ) -> torch.Tensor:
@@ -154,17 +157,17 @@ def kda_gate_chunk_cumsum(
     g: raw gate input `[B, T, HV, K]` (any float dtype); A_log: `[HV]` (None only with
     lower_bound); dt_bias: `[HV * K]` or None; lower_bound: selects the sigmoid gate.
     chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
-    wide: zeroed int32 `[NT_all, HV]` taking the wide diagonal blocks of each chunk (as
+    exact_blocks: zeroed int32 `[NT_all, HV]` taking the exact_blocks diagonal blocks of each chunk (as
     `chunk_local_cumsum`'s), or None.
     Returns fp32 `[B, T, HV, K]`.
     """
     g_cum = g.new_empty(g.shape, dtype=torch.float32)
     _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices, sub_chunk_size, span_limit,
-            g_cum=g_cum, wide=wide)
+            g_cum=g_cum, exact_blocks=exact_blocks)
     return g_cum
 
 
-def kda_gate_chunk_cumsum_bwd(
+def kda_gate_bwd_cumsum(
     g: torch.Tensor,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
@@ -174,7 +177,7 @@ def kda_gate_chunk_cumsum_bwd(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Backward of `kda_gate_chunk_cumsum` given dg_cum fp32 `[B, T, HV, K]`.
+    """Backward of `kda_gate_fwd_cumsum` given dg_cum fp32 `[B, T, HV, K]`.
 
     Returns dg (g's dtype, `[B, T, HV, K]`), dA_log (A_log's dtype, `[HV]`, or None) and
     d dt_bias (dt_bias's dtype and shape, or None).

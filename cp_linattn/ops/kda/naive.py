@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor, join_sequence_outputs, sequence_spans
+from cp_linattn.ops.common.index import host_sequence_bounds, join_sequence_outputs
+from cp_linattn.ops.utils import check_inputs, check_scale, check_tensor
 
 
 def _check_gate_params(g: torch.Tensor, A_log, dt_bias) -> None:
@@ -64,12 +65,6 @@ def kda_lower_bound_gate(
     return lower_bound * torch.sigmoid(x)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last dim, in fp32, cast back to x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,7 +97,7 @@ def naive_recurrent_kda(
     q, k = (x.float().repeat_interleave(G, dim=2) for x in (q, k))
     v, g, beta = (x.float() for x in (v, g, beta))
     outs, finals = [], []
-    for n, (b, start, end) in enumerate(sequence_spans(dims)):
+    for n, (b, start, end) in enumerate(host_sequence_bounds(dims)):
         if initial_state is None:
             S = q.new_zeros(dims.HV, dims.K, dims.V)
         else:

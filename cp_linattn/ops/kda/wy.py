@@ -20,7 +20,7 @@ once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
 the safe gate with lower_bound >= -5 do); otherwise the block is bisected four times, one
 dot per level with factors <= 1 (`diagonal_split_factors`). The span is measured where the
-gate cumsum is formed (the `wide` bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
+gate cumsum is formed (the `exact_blocks` bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
 the dot path for the chunks whose blocks all fit and once with the exact path for the others.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
@@ -32,13 +32,23 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.chunk_delta_h import chunk_span
+from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.chunk_h import dot_precision
-from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, in_this_launch, nonfinite_part
-from cp_linattn.ops.launch import launch_options, split_launch, tiles
+from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, launch_takes_block, nonfinite_part
+from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
+
+
+@triton.jit
+def chunk_rows(bos, t0, seq_len, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr):
+    """(chunk_len, o_c, m_c, its rows in q/k `[B, T, H, *]`, its rows in `[B, T, HV, *]`) of the
+    chunk starting at token t0 of a sequence starting at token bos."""
+    chunk_len = tl.minimum(BT, seq_len - t0)
+    o_c = tl.arange(0, BT)
+    m_c = o_c < chunk_len
+    return chunk_len, o_c, m_c, (bos + t0 + o_c) * H + i_h, (bos + t0 + o_c) * HV + i_hv
 
 
 @triton.jit
@@ -88,8 +98,8 @@ def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.con
 @triton.jit
 def sub_chunk_factors(
     q, k, gk, chunk_row0, r0, chunk_len, i_h, i_hv, o_k, m_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
-    EXACT_DIAG: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXACT_DIAGONAL: tl.constexpr,
 ):
     """One K tile of the sub-chunk of rows r0..r0+BC (chunk-local) of a chunk starting at token
     chunk_row0, with gf / gl the gate at its first / last row:
@@ -101,7 +111,7 @@ def sub_chunk_factors(
 
     A later sub-chunk i pairs with this one (j) through exp(gf_i - gl_j) <= 1, so every factor
     of an off-diagonal block is at most 1. The diagonal block is split at its middle row (its
-    gate span known to fit), or with EXACT_DIAG bisected (`diagonal_split_factors`).
+    gate span known to fit), or with EXACT_DIAGONAL bisected (`diagonal_split_factors`).
     """
     dtype = k.dtype.element_ty
     o_r = r0 + tl.arange(0, BC)
@@ -120,18 +130,18 @@ def sub_chunk_factors(
     b_sq = tl.zeros([BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([BC, BC], dtype=tl.float32)
     g_first = gk + ((chunk_row0 + r0) * HV + i_hv) * K
-    for level in range(1 + 3 * EXACT_DIAG):
+    for level in range(1 + 3 * EXACT_DIAGONAL):
         b_rowfac, b_colfac, pairs = diagonal_split_factors(
-            g_first, HV * K, b_g, tl.arange(0, BC), m_r, o_k, m_k, chunk_len - r0, level, EXACT_DIAG, BC)
+            g_first, HV * K, b_g, tl.arange(0, BC), m_r, o_k, m_k, chunk_len - r0, level, EXACT_DIAGONAL, BC)
         b_kt = tl.trans((b_k * b_colfac).to(dtype))
-        b_split_q = tl.dot((b_q * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
-        b_split_k = tl.dot((b_k * b_rowfac).to(dtype), b_kt, input_precision=DOT_PREC)
-        if EXACT_DIAG:
+        b_split_q = tl.dot((b_q * b_rowfac).to(dtype), b_kt, input_precision=DOT_PRECISION)
+        b_split_k = tl.dot((b_k * b_rowfac).to(dtype), b_kt, input_precision=DOT_PRECISION)
+        if EXACT_DIAGONAL:
             b_split_q = tl.where(pairs, b_split_q, 0)
             b_split_k = tl.where(pairs, b_split_k, 0)
         b_sq += b_split_q
         b_sk += b_split_k
-    if EXACT_DIAG:  # the bisection leaves out i == j, decay 1
+    if EXACT_DIAGONAL:  # the bisection leaves out i == j, decay 1
         on_diagonal = tl.arange(0, BC)[:, None] == tl.arange(0, BC)[None, :]
         b_sq += tl.where(on_diagonal, tl.sum(b_q * b_k, axis=1)[:, None], 0)
         b_sk += tl.where(on_diagonal, tl.sum(b_k * b_k, axis=1)[:, None], 0)
@@ -139,48 +149,43 @@ def sub_chunk_factors(
 
 
 @triton.jit
-def off_diagonal_scores(b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PREC: tl.constexpr):
+def off_diagonal_scores(b_qf, b_kf, b_gf, b_kl, b_gl, DOT_PRECISION: tl.constexpr):
     """The [BC, BC] q.k and k.k scores of rows of sub-chunk i against the columns of an
     earlier sub-chunk j, from `sub_chunk_factors` of each (exp(gf_i - gl_j) <= 1)."""
     b_s = tl.exp(b_gf - b_gl)[None, :]
     b_klt = tl.trans(b_kl)
-    return (tl.dot((b_qf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC),
-            tl.dot((b_kf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PREC))
+    return (tl.dot((b_qf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PRECISION),
+            tl.dot((b_kf * b_s).to(b_kl.dtype), b_klt, input_precision=DOT_PRECISION))
 
 
-@triton.jit
-def kda_intra_wy_fwd_kernel(
-    q, k, v, gk, beta, wide, Aqk, Akk, w, u, qg, kg,
+@jit_traced_as("EXACT_DIAGONAL", "chunk_kda_fwd_kernel_intra_exact")
+def chunk_kda_fwd_kernel_intra(
+    q, k, v, gk, beta, exact_blocks, Aqk, Akk, w, u, qg, kg,
     cu_seqlens, chunk_indices,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    COMPUTE_A: tl.constexpr, COMPUTE_U: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    WIDE: tl.constexpr,
+    COMPUTE_A: tl.constexpr, COMPUTE_U: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXACT_DIAGONAL: tl.constexpr,
 ):
     """One (chunk, value head): Aqk and A = (I + Akk)^-1 (unless given), then w, u (unless
     not COMPUTE_U), qg, kg.
 
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; gk: fp32 `[B, T, HV, K]`; beta: `[B, T, HV]`;
     Aqk, Akk: fp32 `[B, T, HV, BT]` (row t holds its chunk-local columns). Grid (NT, B * HV).
-    With COMPUTE_A, wide (int32 `[NT_all, HV]`, nonzero where a diagonal block of the chunk is
-    too wide for the dot path) picks the programs: those of its nonzero entries if WIDE (exact
+    With COMPUTE_A, exact_blocks (int32 `[NT_all, HV]`, nonzero where a diagonal block of the chunk is
+    too wide for the dot path) picks the programs: those of its nonzero entries if EXACT_DIAGONAL (exact
     diagonal blocks), the others if not.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    bos, seq_len, t0, i_chunk = chunk_span(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
+    bos, seq_len, t0, i_chunk = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
     if COMPUTE_A:
-        if not in_this_launch(tl.load(wide + i_chunk * HV + i_hv), WIDE):
+        if not launch_takes_block(tl.load(exact_blocks + i_chunk * HV + i_hv), EXACT_DIAGONAL):
             return
-    chunk_len = tl.minimum(BT, seq_len - t0)
+    chunk_len, o_c, m_c, qk_rows, hv_rows = chunk_rows(bos, t0, seq_len, i_h, i_hv, H, HV, BT)
     dtype = k.dtype.element_ty
-
-    o_c = tl.arange(0, BT)
-    m_c = o_c < chunk_len
-    qk_rows = (bos + t0 + o_c) * H + i_h
-    hv_rows = (bos + t0 + o_c) * HV + i_hv
     # the chunk's [BT, BT] matrices: row r, column c at a_base + r * a_stride + c
     a_off = ((bos + t0) * HV + i_hv) * BT
     a_stride = HV * BT
@@ -202,37 +207,37 @@ def kda_intra_wy_fwd_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_qf0, b_kf0, b_kl0, b_gf0, b_gl0, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
+                q, k, gk, chunk_row0, 0, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
             b_aqk_00 += b_sq
             b_akk_00 += b_sk
             b_qf1, b_kf1, b_kl1, b_gf1, b_gl1, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
+                q, k, gk, chunk_row0, BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
             b_aqk_11 += b_sq
             b_akk_11 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PRECISION)
             b_aqk_10 += b_sq
             b_akk_10 += b_sk
             b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
+                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
             b_aqk_22 += b_sq
             b_akk_22 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PRECISION)
             b_aqk_20 += b_sq
             b_akk_20 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PRECISION)
             b_aqk_21 += b_sq
             b_akk_21 += b_sk
             b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PREC, WIDE)
+                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
             b_aqk_33 += b_sq
             b_akk_33 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PRECISION)
             b_aqk_30 += b_sq
             b_akk_30 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PRECISION)
             b_aqk_31 += b_sq
             b_akk_31 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PREC)
+            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PRECISION)
             b_aqk_32 += b_sq
             b_akk_32 += b_sk
         o_b = tl.arange(0, BC)
@@ -269,16 +274,16 @@ def kda_intra_wy_fwd_kernel(
         tl.debug_barrier()
         b_x0, b_x1, b_x2, b_x3 = invert_diagonal_sub_blocks(a_ptr, chunk_len, a_stride, BC)
         # block forward substitution: X_ij = -X_ii sum_{j <= m < i} L_im X_mj
-        b_x10 = -tl.dot(b_x1, tl.dot(b_l10, b_x0, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_x21 = -tl.dot(b_x2, tl.dot(b_l21, b_x1, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_x20 = -tl.dot(b_x2, tl.dot(b_l20, b_x0, input_precision=DOT_PREC)
-                        + tl.dot(b_l21, b_x10, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_x32 = -tl.dot(b_x3, tl.dot(b_l32, b_x2, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_x31 = -tl.dot(b_x3, tl.dot(b_l31, b_x1, input_precision=DOT_PREC)
-                        + tl.dot(b_l32, b_x21, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_x30 = -tl.dot(b_x3, tl.dot(b_l30, b_x0, input_precision=DOT_PREC)
-                        + tl.dot(b_l31, b_x10, input_precision=DOT_PREC)
-                        + tl.dot(b_l32, b_x20, input_precision=DOT_PREC), input_precision=DOT_PREC)
+        b_x10 = -tl.dot(b_x1, tl.dot(b_l10, b_x0, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        b_x21 = -tl.dot(b_x2, tl.dot(b_l21, b_x1, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        b_x20 = -tl.dot(b_x2, tl.dot(b_l20, b_x0, input_precision=DOT_PRECISION)
+                        + tl.dot(b_l21, b_x10, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        b_x32 = -tl.dot(b_x3, tl.dot(b_l32, b_x2, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        b_x31 = -tl.dot(b_x3, tl.dot(b_l31, b_x1, input_precision=DOT_PRECISION)
+                        + tl.dot(b_l32, b_x21, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        b_x30 = -tl.dot(b_x3, tl.dot(b_l30, b_x0, input_precision=DOT_PRECISION)
+                        + tl.dot(b_l31, b_x10, input_precision=DOT_PRECISION)
+                        + tl.dot(b_l32, b_x20, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
         tl.debug_barrier()
         store_block_row(a_ptr, 0, b_x0, b_0, b_0, b_0, chunk_len, a_stride, BC)
         store_block_row(a_ptr, BC, b_x10, b_x1, b_0, b_0, chunk_len, a_stride, BC)
@@ -302,7 +307,7 @@ def kda_intra_wy_fwd_kernel(
         # A's zeros above the diagonal would carry a non-finite row to earlier rows (0 * NaN):
         # the dot takes the finite entries, the others join their own row (A's diagonal is 1;
         # k read again, as keeping the tile alive across the dot spills more registers)
-        b_w = tl.dot(b_a, finite_or_zero(b_k * b_eg * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+        b_w = tl.dot(b_a, finite_or_zero(b_k * b_eg * b_beta[:, None]).to(dtype), input_precision=DOT_PRECISION)
         b_w += nonfinite_part(tl.load(k + qk_rows[:, None] * K + o_k[None, :], mask=m_ck, other=0)).to(tl.float32) \
             * b_eg * b_beta[:, None]
         tl.store(w + p_out, b_w.to(w.dtype.element_ty), mask=m_ck)
@@ -315,12 +320,12 @@ def kda_intra_wy_fwd_kernel(
             m_cv = m_c[:, None] & (o_v < V)[None, :]
             p_v = hv_rows[:, None] * V + o_v[None, :]
             b_v = tl.load(v + p_v, mask=m_cv, other=0).to(tl.float32)
-            b_u = tl.dot(b_a, finite_or_zero(b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PREC)
+            b_u = tl.dot(b_a, finite_or_zero(b_v * b_beta[:, None]).to(dtype), input_precision=DOT_PRECISION)
             b_u += nonfinite_part(tl.load(v + p_v, mask=m_cv, other=0)).to(tl.float32) * b_beta[:, None]
             tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_cv)
 
 
-def kda_intra_wy_fwd(
+def chunk_kda_fwd_intra(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -333,7 +338,7 @@ def kda_intra_wy_fwd(
     Akk: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
     compute_u: bool = True,
-    wide: torch.Tensor | None = None,
+    exact_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """WY quantities of every chunk.
 
@@ -344,7 +349,7 @@ def kda_intra_wy_fwd(
         Aqk, Akk: fp32 `[B, T, HV, 64]` from an earlier call, to skip rebuilding them
             (the backward's recompute); both or neither.
         compute_u: False skips u (None is returned): the backward's recompute has no use for it.
-        wide: int32 `[NT_all, HV]` from `kda_gate_cumsum`, needed when Aqk, Akk are built:
+        exact_blocks: int32 `[NT_all, HV]` from `chunk_kda_gate_cumsum`, needed when Aqk, Akk are built:
             the chunks whose diagonal blocks take the exact path.
 
     Returns:
@@ -356,8 +361,8 @@ def kda_intra_wy_fwd(
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     compute_a = Akk is None
-    if compute_a and wide is None:
-        raise ValueError("wide (from kda_gate_cumsum) is needed to build Aqk and Akk")
+    if compute_a and exact_blocks is None:
+        raise ValueError("exact_blocks (from chunk_kda_gate_cumsum) is needed to build Aqk and Akk")
     if compute_a:
         Aqk = k.new_empty(B, T, HV, chunk_size, dtype=torch.float32)
         Akk = k.new_empty(B, T, HV, chunk_size, dtype=torch.float32)
@@ -368,15 +373,15 @@ def kda_intra_wy_fwd(
     u = v.new_empty(v.shape) if compute_u else None
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     if NT * B * HV > 0:
-        args = (q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(), wide,
+        args = (q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), beta.contiguous(), exact_blocks,
                 Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, float(scale), T)
         # Every chunk runs in one of the two launches; one launch when A is given (no diagonal blocks).
-        for wide_chunks in (False, True) if compute_a else (False,):
-            kernel = split_launch("kda_intra_wy_fwd", wide_chunks)
+        for exact in (False, True) if compute_a else (False,):
+            kernel = exact_path_key("chunk_kda_fwd_intra", exact)
             BK, BV = tiles(kernel, K, V)
-            kda_intra_wy_fwd_kernel[(NT, B * HV)](
+            chunk_kda_fwd_kernel_intra[(NT, B * HV)](
                 *args, H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None,
-                DOT_PREC=dot_precision(k.dtype), WIDE=wide_chunks, **launch_options(kernel),
+                DOT_PRECISION=dot_precision(k.dtype), EXACT_DIAGONAL=exact, **launch_options(kernel),
             )
     return w, u, qg, kg, Aqk, Akk

@@ -19,7 +19,7 @@ def test_chunk_local_cumsum_matches_loop(reverse, cu):
     torch.testing.assert_close(y, chunk_local_cumsum_reference(x, 16, reverse, cu), rtol=1e-5, atol=1e-5)
 
 
-def _wide_reference(gk, chunk, block, limit, cu):
+def _exact_blocks_reference(gk, chunk, block, limit, cu):
     """int32 `[NT_all, H]`: bit s of (chunk, head) set when |gk - gk_mid| exceeds `limit` in
     diagonal block s (mid its middle row, clipped to the chunk)."""
     spans = [(b, 0, gk.shape[1]) for b in range(gk.shape[0])] if cu is None else [
@@ -34,7 +34,7 @@ def _wide_reference(gk, chunk, block, limit, cu):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("cu", [None, [0, 5, 5, 70, 200]])
-def test_wide_diagonal_blocks_match_reference(cu):
+def test_exact_diagonal_blocks_match_reference(cu):
     """The bits of the diagonal blocks too wide for the dot path, over several key tiles
     (D = 100: two tiles of 64, the second partly masked) and partial chunks."""
     torch.manual_seed(1)
@@ -43,41 +43,41 @@ def test_wide_diagonal_blocks_match_reference(cu):
     x[..., 1, :, 97] *= 8.0  # one channel of one head decays fast: only the last tile sees it
     cu_t = None if cu is None else torch.tensor(cu)
     NT = B * ((T + 63) // 64) if cu is None else sum((e - s + 63) // 64 for s, e in zip(cu[:-1], cu[1:]))
-    wide = torch.zeros(NT, 3, dtype=torch.int32)
-    y = chunk_local_cumsum(x, 64, cu_seqlens=cu_t, wide=wide, sub_chunk_size=16, span_limit=3.0)
-    ref = _wide_reference(y, 64, 16, 3.0, cu)
+    exact_blocks = torch.zeros(NT, 3, dtype=torch.int32)
+    y = chunk_local_cumsum(x, 64, cu_seqlens=cu_t, exact_blocks=exact_blocks, sub_chunk_size=16, span_limit=3.0)
+    ref = _exact_blocks_reference(y, 64, 16, 3.0, cu)
     assert (ref != 0).any() and (ref != 15).any(), ref
-    assert torch.equal(wide, ref), (wide, ref)
+    assert torch.equal(exact_blocks, ref), (exact_blocks, ref)
 
 
 @pytest.mark.interpreter
-def test_wide_diagonal_blocks_never_miss_a_wide_block_of_mixed_sign_gates():
+def test_exact_diagonal_blocks_never_miss_a_wide_block_of_mixed_sign_gates():
     """Outside the ops' domain (gates of both signs; D = 8, below one tile) the marks may
     flag more blocks than the exact span does, never fewer (the interpreter's dot is fp32;
     on a GPU its tf32 rounding may move a span by 0.05%)."""
     torch.manual_seed(3)
     x = torch.randn(1, 130, 2, 8) * 0.5
-    wide = torch.zeros(3, 2, dtype=torch.int32)
-    y = chunk_local_cumsum(x, 64, wide=wide, sub_chunk_size=16, span_limit=2.0)
-    ref = _wide_reference(y, 64, 16, 2.0, None)
+    exact_blocks = torch.zeros(3, 2, dtype=torch.int32)
+    y = chunk_local_cumsum(x, 64, exact_blocks=exact_blocks, sub_chunk_size=16, span_limit=2.0)
+    ref = _exact_blocks_reference(y, 64, 16, 2.0, None)
     assert (ref != 0).any() and (ref != 15).any(), ref
-    assert torch.equal(wide & ref, ref), (wide, ref)
+    assert torch.equal(exact_blocks & ref, ref), (exact_blocks, ref)
 
 
 @pytest.mark.interpreter
-def test_wide_diagonal_blocks_of_the_in_kernel_gate():
-    from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum
+def test_exact_diagonal_blocks_of_the_in_kernel_gate():
+    from cp_linattn.ops.kda.gate import kda_gate_fwd_cumsum
     from cp_linattn.ops.kda.naive import kda_gate
 
     torch.manual_seed(2)
     g, A_log, dt_bias = torch.randn(1, 140, 2, 80), torch.tensor([-2.0, 1.0]), torch.randn(160)
-    wide = torch.zeros(3, 2, dtype=torch.int32)
-    gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, chunk_size=64, wide=wide, sub_chunk_size=16, span_limit=4.0)
+    exact_blocks = torch.zeros(3, 2, dtype=torch.int32)
+    gk = kda_gate_fwd_cumsum(g, A_log, dt_bias, chunk_size=64, exact_blocks=exact_blocks, sub_chunk_size=16, span_limit=4.0)
     torch.testing.assert_close(gk, chunk_local_cumsum_reference(kda_gate(g, A_log, dt_bias), 64), rtol=1e-5,
                                atol=1e-4)
-    ref = _wide_reference(gk, 64, 16, 4.0, None)
+    ref = _exact_blocks_reference(gk, 64, 16, 4.0, None)
     assert (ref[:, 0] == 0).all() and (ref[:, 1] != 0).any(), ref
-    assert torch.equal(wide, ref)
+    assert torch.equal(exact_blocks, ref)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
@@ -86,7 +86,7 @@ def test_wide_diagonal_blocks_of_the_in_kernel_gate():
 def test_in_kernel_gate_forward_and_backward(device, lower_bound):
     """The gate kernel's cumsum and its gradients (g, A_log, dt_bias) against autograd of the
     torch gate, fp32. On the GPU its softplus takes the log by PTX lg2.approx."""
-    from cp_linattn.ops.kda.gate import kda_gate_chunk_cumsum, kda_gate_chunk_cumsum_bwd
+    from cp_linattn.ops.kda.gate import kda_gate_fwd_cumsum, kda_gate_bwd_cumsum
     from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate
 
     torch.manual_seed(3)
@@ -99,13 +99,13 @@ def test_in_kernel_gate_forward_and_backward(device, lower_bound):
     dg_cum = torch.randn_like(ref)
     ref_grads = torch.autograd.grad((ref * dg_cum).sum(), [g, A_log, dt_bias])
     with torch.no_grad():
-        gk = kda_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size=64)
-        grads = kda_gate_chunk_cumsum_bwd(g, A_log, dt_bias, dg_cum, lower_bound, chunk_size=64)
+        gk = kda_gate_fwd_cumsum(g, A_log, dt_bias, lower_bound, chunk_size=64)
+        grads = kda_gate_bwd_cumsum(g, A_log, dt_bias, dg_cum, lower_bound, chunk_size=64)
     torch.testing.assert_close(gk, ref, rtol=1e-5, atol=1e-4)
     for name, ours, want in zip(("g", "A_log", "dt_bias"), grads, ref_grads):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"d{name}: {m}")
 
 
 def test_wide_needs_a_forward_cumsum():
-    with pytest.raises(ValueError, match="wide"):
-        chunk_local_cumsum(torch.zeros(1, 8, 1, 4), 4, reverse=True, wide=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exact_blocks"):
+        chunk_local_cumsum(torch.zeros(1, 8, 1, 4), 4, reverse=True, exact_blocks=torch.zeros(2, 1, dtype=torch.int32))

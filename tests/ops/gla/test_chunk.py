@@ -107,7 +107,7 @@ def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     the GLA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
     several tiles, masked tails; BK=32 / BV=64 is a setting of the dq/dk/dg kernel worth
     keeping exact)."""
-    set_tile_caps(monkeypatch, ("chunk_state_", "add_decayed_state", "gla_"), caps)
+    set_tile_caps(monkeypatch, ("chunk_fwd_h", "chunk_bwd_dh", "add_decayed_state", "chunk_gla_"), caps)
     compare_with_reference(1, 150, 1, 80, 48, cu=[0, 70, 150])
 
 

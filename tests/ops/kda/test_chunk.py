@@ -12,7 +12,8 @@ import torch
 
 from cp_linattn.ops.kda.chunk import ChunkKDAFunction, chunk_kda
 from cp_linattn.ops.kda.chunk_fwd import chunk_kda_fwd_prepare
-from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
+from cp_linattn.ops.common.l2norm import l2norm
+from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, naive_recurrent_kda
 from cp_linattn.ops.utils import prepare_chunk_indices
 from tests.utils import (
     assert_matches, assert_rms_close, diagonal_block_spans, kda_inputs as make_inputs, run_with_grads, set_tile_caps,
@@ -264,7 +265,7 @@ def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     """scripts/tools/tune_launch.py may set the BK / BV caps of ops/launch.py to any of its choices;
     the KDA kernels stay exact from the smallest to the largest, equal or not (K = 80, V = 48:
     several tiles, masked tails)."""
-    set_tile_caps(monkeypatch, ("kda_", "delta_rule_"), caps)
+    set_tile_caps(monkeypatch, ("chunk_kda_", "chunk_delta_rule_"), caps)
     assert_close(run_both(make_inputs(T=100, K=80, V=48, gate_scale=0.3)))
 
 
@@ -300,9 +301,9 @@ def test_prepare_indices_cover_varlen_fragment():
     p = chunk_kda_fwd_prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 32 ** -0.5, cu_seqlens=cu,
                               chunk_indices=prepare_chunk_indices(cu, 64))
     # chunks restart at each sequence start, so the gate cumsum restarts there too
-    assert torch.allclose(p["gk"][0, 5], inp["g"][0, 5])
-    assert torch.allclose(p["gk"][0, 68], inp["g"][0, 5:69].sum(0), atol=1e-5)
-    assert torch.allclose(p["gk"][0, 69], inp["g"][0, 69])
+    assert torch.allclose(p.gk[0, 5], inp["g"][0, 5])
+    assert torch.allclose(p.gk[0, 68], inp["g"][0, 5:69].sum(0), atol=1e-5)
+    assert torch.allclose(p.gk[0, 69], inp["g"][0, 69])
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, l2norm, naive_recurrent_kda
+from cp_linattn.ops.common.l2norm import l2norm
+from cp_linattn.ops.kda.naive import kda_gate, kda_lower_bound_gate, naive_recurrent_kda
 
 
 def _kda_inputs(B, T, H, HV, K, V, seed=0):
