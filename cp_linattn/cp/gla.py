@@ -16,15 +16,8 @@ from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
 
 
 def gla_cp_fwd_h(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gk: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    context: FLACPContext,
-    chunk_size: int,
-    **walk,
+    k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, *, initial_state: torch.Tensor | None, output_final_state: bool,
+    context: FLACPContext, chunk_size: int, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor | None, CPExchange]:
     """`chunk_fwd_h` on this rank's shard, with the state the earlier ranks hand over.
 
@@ -56,16 +49,8 @@ def gla_cp_fwd_h(
 
 
 def gla_cp_bwd_dh(
-    q: torch.Tensor,
-    gk: torch.Tensor,
-    do: torch.Tensor,
-    scale: float,
-    *,
-    dht: torch.Tensor | None,
-    need_dh0: bool,
-    exchange: CPExchange,
-    chunk_size: int,
-    **walk,
+    q: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, scale: float, *, dht: torch.Tensor | None, need_dh0: bool,
+    exchange: CPExchange, chunk_size: int, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunk_bwd_dh` on this rank's shard, with the gradient the later ranks hand back
     (the roles of `gla_cp_fwd_h`, mirrored).

@@ -24,16 +24,8 @@ CHUNK_SIZE = 64
 
 
 def kda_cp_fwd_h(
-    kg: torch.Tensor,
-    w: torch.Tensor,
-    u: torch.Tensor,
-    gk: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    context: FLACPContext,
-    state_v_first: bool,
-    **walk,
+    kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: torch.Tensor, *, initial_state: torch.Tensor | None,
+    output_final_state: bool, context: FLACPContext, state_v_first: bool, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CPExchange]:
     """`chunk_delta_rule_fwd_h` on this rank's shard, from the state the earlier ranks hand over.
 
@@ -65,19 +57,8 @@ def kda_cp_fwd_h(
 
 
 def kda_cp_bwd_dhu(
-    qg: torch.Tensor,
-    kg: torch.Tensor,
-    w: torch.Tensor,
-    gk: torch.Tensor,
-    do: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-    *,
-    dht: torch.Tensor | None,
-    need_dh0: bool,
-    exchange: CPExchange,
-    state_v_first: bool,
-    **walk,
+    qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
+    scale: float, *, dht: torch.Tensor | None, need_dh0: bool, exchange: CPExchange, state_v_first: bool, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`chunk_delta_rule_bwd_dhu` on this rank's shard, with the gradient the later ranks hand
     back (the roles of `kda_cp_fwd_h`, mirrored).

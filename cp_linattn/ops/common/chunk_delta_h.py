@@ -142,21 +142,11 @@ def delta_state_block_sizes(kernel: str, K: int, V: int) -> tuple[int, int]:
 
 
 def chunk_delta_rule_fwd_h(
-    kg: torch.Tensor,
-    w: torch.Tensor,
-    u: torch.Tensor,
-    gk: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    state_v_first: bool = False,
-    store_chunk_states: bool = True,
-    state_columns: int | None = None,
-    identity_tail: bool = False,
-    launch: str = "chunk_delta_rule_fwd_h",
+    kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: torch.Tensor, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64,
+    state_v_first: bool = False, store_chunk_states: bool = True, state_columns: int | None = None,
+    identity_tail: bool = False, launch: str = "chunk_delta_rule_fwd_h",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """States entering every chunk of the gated delta rule, the new values, the final states.
 
@@ -221,22 +211,10 @@ def chunk_delta_rule_fwd_h(
 
 
 def chunk_delta_rule_bwd_dhu(
-    qg: torch.Tensor,
-    kg: torch.Tensor,
-    w: torch.Tensor,
-    gk: torch.Tensor,
-    do: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-    dht: torch.Tensor | None = None,
-    need_dh0: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    state_v_first: bool = False,
-    store_chunk_grads: bool = True,
-    launch: str = "chunk_delta_rule_bwd_dhu",
+    qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
+    scale: float, dht: torch.Tensor | None = None, need_dh0: bool = False, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64,
+    state_v_first: bool = False, store_chunk_grads: bool = True, launch: str = "chunk_delta_rule_bwd_dhu",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Reverse recurrence of the gated delta rule, for outputs `o = scale * qg h + (intra)`.
 

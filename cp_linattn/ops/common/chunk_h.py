@@ -115,18 +115,10 @@ def chunk_fwd_kernel_h(
 
 
 def chunk_fwd_h(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gk: torch.Tensor,
-    h0: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    store_chunk_states: bool = True,
-    states_dtype: torch.dtype = torch.float32,
-    output_decays: bool = False,
+    k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, h0: torch.Tensor | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64,
+    store_chunk_states: bool = True, states_dtype: torch.dtype = torch.float32, output_decays: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """States entering every chunk, and the final states.
 
@@ -161,17 +153,9 @@ def chunk_fwd_h(
 
 
 def chunk_bwd_dh(
-    q: torch.Tensor,
-    gk: torch.Tensor,
-    do: torch.Tensor,
-    scale: float,
-    dht: torch.Tensor | None = None,
-    need_dh0: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    store_chunk_grads: bool = True,
+    q: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, scale: float, dht: torch.Tensor | None = None,
+    need_dh0: bool = False, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64, store_chunk_grads: bool = True,
     output_decays: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunk states, for outputs `o_t = scale * S_t^T q_t`.

@@ -66,6 +66,15 @@ def state_tile_offsets(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.conste
     return o_k, o_v, m_k, m_v, m_k[:, None] & m_v[None, :], k_first, stored
 
 
+@triton.jit
+def block_offsets(i_d, BD: tl.constexpr, D: tl.constexpr, m_rows):
+    """Block i_d of a head dim of D: (its offsets, their mask, that mask crossed with the
+    rows' mask `m_rows` into a [rows, BD] tile mask)."""
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    return o_d, m_d, m_rows[:, None] & m_d[None, :]
+
+
 def count_sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chunk_size, count_chunks: bool):
     """(N sequences, chunks per batch row, chunk_offsets) of a [B, T, ...] batch or a packed
     one (B == 1). The chunk count of a packed batch is only read (from chunk_indices, or from

@@ -403,16 +403,9 @@ class ChunkGLASaved:
 
 
 def chunk_gla_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None,
     cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, ChunkGLASaved, CPExchange | None]:
     """Forward of chunked GLA on validated, contiguous inputs: gate cumsum, states, output.
@@ -433,13 +426,8 @@ def chunk_gla_fwd(
 
 
 def chunk_gla_bwd(
-    do: torch.Tensor,
-    dht: torch.Tensor | None,
-    saved: ChunkGLASaved,
-    scale: float,
-    need_dh0: bool,
-    g_dtype: torch.dtype,
-    exchange: CPExchange | None = None,
+    do: torch.Tensor, dht: torch.Tensor | None, saved: ChunkGLASaved, scale: float, need_dh0: bool,
+    g_dtype: torch.dtype, exchange: CPExchange | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of chunked GLA: state gradients, dv, then dq, dk, dg (in `g_dtype`).
 

@@ -416,15 +416,8 @@ def _shape(x: torch.Tensor, head_first: bool) -> tuple[int, int, int, int]:
 
 
 def fused_chunk_gla_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    head_first: bool,
-    segments: tuple[int, int],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, head_first: bool, segments: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel on validated contiguous inputs, over `segments` (S, chunks
     per segment; see `_segments`).
@@ -460,17 +453,8 @@ def fused_chunk_gla_fwd(
 
 
 def fused_chunk_gla_bwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    do: torch.Tensor,
-    dht: torch.Tensor | None,
-    scale: float,
-    h0: torch.Tensor | None,
-    decay: torch.Tensor | None,
-    need_dh0: bool,
-    head_first: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None,
+    scale: float, h0: torch.Tensor | None, decay: torch.Tensor | None, need_dh0: bool, head_first: bool,
     segments: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernel over the forward's `segments`, with the segments' entering

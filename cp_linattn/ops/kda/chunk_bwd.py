@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.index import chunk_bounds
+from cp_linattn.ops.common.index import block_offsets, chunk_bounds
 from cp_linattn.cp.exchange import CPExchange
 from cp_linattn.cp.kda import kda_cp_bwd_dhu
 from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_bwd_dhu
@@ -108,17 +108,13 @@ def chunk_kda_bwd_kernel_wy_dqkg(
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_ck = m_c[:, None] & m_k[None, :]
+        o_k, m_k, m_ck = block_offsets(i_k, BK, K, m_c)
         b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
         b_dkg = tl.zeros([BT, BK], dtype=tl.float32)
         b_dwn = tl.zeros([BT, BK], dtype=tl.float32)
         b_dglast = tl.zeros([BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_cv = m_c[:, None] & m_v[None, :]
+            o_v, m_v, m_cv = block_offsets(i_v, BV, V, m_c)
             m_kv = m_k[:, None] & m_v[None, :]
             p_v = rows[:, None] * V + o_v[None, :]
             p_h = h_base + o_k[:, None] * V + o_v[None, :]
@@ -407,25 +403,11 @@ def _num_chunks(T: int, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Te
 
 
 def chunk_kda_bwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    do: torch.Tensor,
-    dht: torch.Tensor | None,
-    need_dh0: bool,
-    intra: ChunkKDAIntra,
-    h: torch.Tensor,
-    v_new: torch.Tensor,
-    gate: KDAGate | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    exchange: CPExchange | None = None,
-    dqk_dtype: torch.dtype | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, intra: ChunkKDAIntra, h: torch.Tensor,
+    v_new: torch.Tensor, gate: KDAGate | None = None, state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None, exchange: CPExchange | None = None, dqk_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of chunked KDA (q, k already normalised if the op normalises them).
 

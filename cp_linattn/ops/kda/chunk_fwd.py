@@ -67,13 +67,8 @@ def chunk_kda_fwd_kernel_o(
 
 
 def chunk_kda_fwd_o(
-    qg: torch.Tensor,
-    v_new: torch.Tensor,
-    h: torch.Tensor,
-    Aqk: torch.Tensor,
-    scale: float,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
+    qg: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, Aqk: torch.Tensor, scale: float,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """o `[B, T, HV, V]` from qg `[B, T, HV, K]`, v_new `[B, T, HV, V]`, h fp32
@@ -93,11 +88,8 @@ def chunk_kda_fwd_o(
 
 
 def chunk_kda_gate_cumsum(
-    g: torch.Tensor,
-    gate: KDAGate | None = None,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    span_limit: float = SAFE_SPAN,
+    g: torch.Tensor, gate: KDAGate | None = None, cu_seqlens: torch.LongTensor | None = None,
+    chunk_indices: torch.Tensor | None = None, span_limit: float = SAFE_SPAN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 chunk-local cumsum `[B, T, HV, K]` of the log gate (applying the in-kernel gate to
     raw g first), and int32 `exact_blocks` `[NT_all, HV]`: per chunk, the bits of its 16-token
@@ -140,15 +132,8 @@ class ChunkKDAIntra:
 
 
 def chunk_kda_fwd_prepare(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    gate: KDAGate | None = None,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    gate: KDAGate | None = None, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> ChunkKDAIntra:
     """The per-chunk quantities of a batch (or a `[1, T_frag, ...]` fragment), before the
     state recurrence.
@@ -170,20 +155,10 @@ def chunk_kda_fwd_prepare(
 
 
 def chunk_kda_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    gate: KDAGate | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-    cp_context: FLACPContext | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False, gate: KDAGate | None = None,
+    state_v_first: bool = False, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None, cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, ChunkKDAIntra, torch.Tensor, torch.Tensor, CPExchange | None]:
     """Forward of chunked KDA on validated inputs (q, k already normalised if asked).
 

@@ -326,19 +326,10 @@ def chunk_kda_fwd_kernel_intra(
 
 
 def chunk_kda_fwd_intra(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gk: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    Aqk: torch.Tensor | None = None,
-    Akk: torch.Tensor | None = None,
-    chunk_size: int = CHUNK_SIZE,
-    compute_u: bool = True,
-    exact_blocks: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, beta: torch.Tensor, scale: float,
+    cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    Aqk: torch.Tensor | None = None, Akk: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+    compute_u: bool = True, exact_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """WY quantities of every chunk.
 
