@@ -5,10 +5,10 @@ One table, keyed by launcher name (the kernel `<op>_<fwd|bwd>_kernel_<what>` is 
 for the exact diagonal blocks, has a second entry `<launcher>_exact` and shows in a profiler
 trace as `<kernel>_exact`): one grep leads from a trace to its settings and back. One table
 so that `scripts/tools/tune_launch.py` can sweep the values on a GPU without touching the
-kernels, and the values in use are visible in one place; they are the ones tuned with it. `BK`/`BV` are upper bounds (`BC`: chunks per
-program): a launcher uses `min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs
-it). The Triton interpreter ignores warps and stages, so the CPU tests run the same tiles as
-the GPU.
+kernels, and the values in use are visible in one place; they are the ones tuned with it.
+`BK`/`BV` are upper bounds (`BC`: chunks per program): a launcher uses
+`min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs it). The Triton
+interpreter ignores warps and stages, so the CPU tests run the same tiles as the GPU.
 """
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def chunk_delta_rule_fwd_kernel_h(
     T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, U_COLS: tl.constexpr, IDENTITY_TAIL: tl.constexpr,
 ):
     """Writes h (state entering each chunk) and v_new; grid (cdiv(V, BV), N * HV). The state
@@ -100,7 +101,8 @@ def chunk_delta_rule_bwd_kernel_dhu(
     scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, STORE_CHUNKS: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Writes dh (gradient of the state leaving each chunk) and dv2; grid like the forward."""
@@ -202,9 +204,11 @@ def chunk_delta_rule_fwd_h(
         chunk_delta_rule_fwd_kernel_h[(triton.cdiv(V, BV), N * HV)](
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, STORE_CHUNKS=store_chunk_states,
+            USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+            STORE_CHUNKS=store_chunk_states,
             STATE_V_FIRST=state_v_first,
-            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(kg.dtype), U_COLS=U, IDENTITY_TAIL=identity_tail,
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(kg.dtype), U_COLS=U,
+            IDENTITY_TAIL=identity_tail,
             **launch_options(launch),
         )
     return h, v_new, final_state
@@ -259,7 +263,8 @@ def chunk_delta_rule_bwd_dhu(
         chunk_delta_rule_bwd_kernel_dhu[(triton.cdiv(V, BV), N * HV)](
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, STORE_CHUNKS=store_chunk_grads,
+            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+            STORE_CHUNKS=store_chunk_grads,
             STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
             **launch_options(launch),

@@ -36,7 +36,8 @@ import triton.language as tl
 from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum, suffix_sum
-from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, launch_takes_block, new_exact_block_bits,
+from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, launch_takes_block,
+                                         new_exact_block_bits,
                                          nonfinite_part, span_limit)
 from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
@@ -314,7 +315,8 @@ def chunk_gla_gate_cumsum(
     operands of `dtype` (`cp_linattn.ops.common.intra`)."""
     B, T, H, _ = g.shape
     exact_blocks = new_exact_block_bits(B, T, H, CHUNK_SIZE, chunk_indices, g.device)
-    gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, exact_blocks=exact_blocks,
+    gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    exact_blocks=exact_blocks,
                             sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit(dtype))
     return gk, exact_blocks
 
@@ -357,7 +359,8 @@ def chunk_gla_bwd_dv(
         chunk_gla_bwd_kernel_dv[(triton.cdiv(V, BV), NT, B * H)](
             k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype), **launch_options("chunk_gla_bwd_dv"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+            **launch_options("chunk_gla_bwd_dv"),
         )
     return dv
 

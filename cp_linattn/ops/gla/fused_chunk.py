@@ -27,7 +27,8 @@ final state from zero.
 `segment_count` picks S; S = 1 is the plain single walk, one launch each way.
 
 Numerics. The gate is cumulated inside each chunk, in fp32, by the kernel itself, each token's
-floored at LOG_DECAY_FLOOR first (cp_linattn/ops/common/cumsum.py). The intra-chunk scores are a dot of `q e^(g - g_m)` and `k e^(g_m - g)`, m the chunk's middle row,
+floored at LOG_DECAY_FLOOR first (cp_linattn/ops/common/cumsum.py). The intra-chunk scores
+are a dot of `q e^(g - g_m)` and `k e^(g_m - g)`, m the chunk's middle row,
 when every `|g - g_m|` of the chunk is within SAFE_SPAN (cp_linattn/ops/common/intra.py; the
 operands stay fp32, so the bound holds for every input dtype). Otherwise they are formed
 column by column from differences `g_i - g_j` with `i` at or after `j`, `<= 0` for log-decay
@@ -52,7 +53,8 @@ from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.cumsum import floor_log_decay, suffix_sum
 from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, within_span
 from cp_linattn.ops.launch import launch_options, tiles
-from cp_linattn.ops.utils import _fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor, kernel_state, refuse_double_backward
+from cp_linattn.ops.utils import (_fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor,
+                                  kernel_state, refuse_double_backward)
 
 CHUNK = 16
 # Segments (`segment_count`): a walk's programs per SM to aim at; the shortest segment, below
@@ -178,7 +180,8 @@ def fused_chunk_gla_fwd_kernel(
     scale, T, seg_chunks,
     B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HEAD_FIRST: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STATE_ONLY: tl.constexpr,
+    HEAD_FIRST: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    STATE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPAN_LIMIT: tl.constexpr,
 ):
     """Output and final state of one (K-block, V-block) of one (batch, head) over one segment.
@@ -433,7 +436,8 @@ def fused_chunk_gla_fwd(
     def walk(o, h0, ht, decay):
         fused_chunk_gla_fwd_kernel[(NV * S, NK, B * H)](
             q, k, v, g, o, h0, ht, decay, scale, T, seg_chunks,
-            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None,
+            STORE_FINAL_STATE=ht is not None,
             STATE_ONLY=o is None, **cfg,
         )
 
@@ -467,7 +471,8 @@ def fused_chunk_gla_bwd(
         dq, dk, dv, dg = grads
         fused_chunk_gla_bwd_kernel[(NV * S, NK, B * H)](
             q, k, v, g, do, h0, dht, dq, dk, dv, dg, dh0, scale, T, seg_chunks,
-            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+            B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None,
+            USE_FINAL_STATE_GRADIENT=dht is not None,
             STORE_INITIAL_STATE_GRADIENT=dh0 is not None, DH_ONLY=dq is None,
             STATE_PRECISION=fp32_dot_precision(q.dtype), **cfg,
         )

@@ -105,7 +105,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, saved.v, saved.g, saved.beta, opt.scale, do, dht, opt.h0_dtype is not None, saved.intra(),
             saved.h, saved.v_new, gate, opt.state_v_first, saved.cu_seqlens, saved.chunk_indices,
-            saved.chunk_offsets, opt.exchange, dqk_dtype=torch.float32 if opt.use_qk_l2norm_in_kernel else saved.q.dtype,
+            saved.chunk_offsets, opt.exchange,
+            dqk_dtype=torch.float32 if opt.use_qk_l2norm_in_kernel else saved.q.dtype,
         )
         if dh0 is not None:
             dh0 = dh0.to(opt.h0_dtype)

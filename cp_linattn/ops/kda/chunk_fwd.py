@@ -82,7 +82,8 @@ def chunk_kda_fwd_o(
         chunk_kda_fwd_kernel_o[(triton.cdiv(V, BV), NT, B * HV)](
             qg, v_new.to(qg.dtype).contiguous(), h, Aqk, o, cu_seqlens, chunk_indices, float(scale), T,
             HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
-            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype), **launch_options("chunk_kda_fwd_o"),
+            IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
+            **launch_options("chunk_kda_fwd_o"),
         )
     return o
 

@@ -20,8 +20,9 @@ once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
 the safe gate with lower_bound >= -5 do); otherwise the block is bisected four times, one
 dot per level with factors <= 1 (`diagonal_split_factors`). The span is measured where the
-gate cumsum is formed (the `exact_blocks` bits, cp_linattn/ops/common/intra.py) and the kernel is launched twice, once compiled with
-the dot path for the chunks whose blocks all fit and once with the exact path for the others.
+gate cumsum is formed (the `exact_blocks` bits, cp_linattn/ops/common/intra.py) and the
+kernel is launched twice, once compiled with the dot path for the chunks whose blocks all fit
+and once with the exact path for the others.
 
 The inverse is formed by forward substitution inside each 16 x 16 diagonal block and a
 block merge with dots. The stored `Akk` is the inverse A (what the backward needs).
@@ -218,7 +219,8 @@ def chunk_kda_fwd_kernel_intra(
             b_aqk_10 += b_sq
             b_akk_10 += b_sk
             b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
+                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
+                EXACT_DIAGONAL)
             b_aqk_22 += b_sq
             b_akk_22 += b_sk
             b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PRECISION)
@@ -228,7 +230,8 @@ def chunk_kda_fwd_kernel_intra(
             b_aqk_21 += b_sq
             b_akk_21 += b_sk
             b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION, EXACT_DIAGONAL)
+                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
+                EXACT_DIAGONAL)
             b_aqk_33 += b_sq
             b_akk_33 += b_sk
             b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PRECISION)
