@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from cp_linattn.ops.gla.chunk import chunk_gla_bwd_kernel_dqkg, chunk_gla_fwd_kernel_o
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd_kernel_intra
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_kernel_intra
-from cp_linattn.ops.launch import LAUNCH, launch_options, exact_path_key
+from cp_linattn.ops.launch import LAUNCH, exact_path_key, launch_options
 
 H, K, V = 16, 128, 128
 # Argument types by name (bf16 inputs and outputs, fp32 gate cumsum, chunk matrices and KDA's
@@ -49,17 +49,17 @@ def _tiles(kernel: str) -> dict:
 # kernel -> (jit function, constexprs for HV value heads and a launch's LAUNCH entry, argument types)
 KERNELS = {
     "chunk_kda_fwd_intra": (chunk_kda_fwd_kernel_intra,
-                         lambda HV, entry: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
-                                                **_tiles(entry), COMPUTE_A=True, COMPUTE_U=True), TYPES),
+                            lambda HV, entry: dict(H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+                                                   **_tiles(entry), COMPUTE_A=True, COMPUTE_U=True), TYPES),
     "chunk_kda_bwd_intra": (chunk_kda_bwd_kernel_intra,
-                      lambda HV, entry: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
-                      TYPES),
+                            lambda HV, entry: dict(H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
+                            TYPES),
     "chunk_gla_fwd_o": (chunk_gla_fwd_kernel_o,
-                  lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
-                  {**TYPES, **GLA_TYPES}),
+                        lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
+                        {**TYPES, **GLA_TYPES}),
     "chunk_gla_bwd_dqkg": (chunk_gla_bwd_kernel_dqkg,
-                     lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
-                     {**TYPES, **GLA_TYPES}),
+                           lambda HV, entry: dict(H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, **_tiles(entry)),
+                           {**TYPES, **GLA_TYPES}),
 }
 
 
