@@ -63,7 +63,7 @@ def exchange_forward(
 
     Returns:
         (S_in fp32 `[H, K, V]`, or None when the first local sequence starts on this rank;
-        the `CPExchange` exchange for the backward).
+        the `CPExchange` for the backward).
     """
     S_ext, M = S_ext.float().contiguous(), M.float().contiguous()
     if context.comm == "all_gather":

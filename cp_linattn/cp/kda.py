@@ -192,7 +192,7 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
         initial_state: the user's `[N_global, ...]` states or None, laid out as `state_v_first`.
 
     Returns:
-        (S_in fp32 `[HV, K, V]`, K-first; the `CPExchange` exchange).
+        (S_in fp32 `[HV, K, V]`, K-first; the `CPExchange`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
     if not context.post_num_ranks:

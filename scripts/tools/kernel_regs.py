@@ -88,7 +88,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"triton {triton.__version__}, sm_90a, bf16, H={H}, K=V={K}")
     for kernel in args.kernels:
-        for HV in args.HV if kernel.startswith("kda") else args.HV[:1]:
+        for HV in args.HV if "kda" in kernel else args.HV[:1]:
             for varlen in (False, True):
                 for exact in (False, True):
                     name = f"{kernel} HV={HV}{' varlen' if varlen else ''} {'exact' if exact else 'dot'} diagonal"

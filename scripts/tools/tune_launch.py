@@ -45,7 +45,7 @@ def time_fwd_bwd(op: str, T: int) -> float:
 
 def launch_sequence(step: Callable[[], object]) -> list[tuple[str, float]]:
     """(kernel, CUDA ms) of every launch of one warm call, in launch order: the two launches of
-    a split kernel (dot, then exact diagonal path) share a name and show up one after the other."""
+    a split kernel show up one after the other: `<kernel>`, then `<kernel>_exact`."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()

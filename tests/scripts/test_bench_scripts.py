@@ -139,16 +139,16 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
 @pytest.mark.gpu
 def test_launch_sequence_shows_both_launches_of_a_split_kernel():
     """tune_launch --sequence: one warm kda_gate call lists its launches in order, the
-    split kernels' dot and exact launches one after the other, each with a positive time."""
+    split kernels' dot launch followed by their `_exact` launch, each with a positive time."""
     tune_launch = load_tool("tune_launch")
     from scripts.benchlib import warm_fwd_bwd_step
 
     launches = tune_launch.launch_sequence(warm_fwd_bwd_step("kda_gate", 256))
     names = [name for name, _ in launches]
     assert all(ms > 0 for _, ms in launches)
-    for kernel in ("chunk_kda_fwd_intra", "chunk_kda_bwd_intra"):
-        first = next(i for i, name in enumerate(names) if kernel in name)
-        assert kernel in names[first + 1]
+    for kernel in ("chunk_kda_fwd_kernel_intra", "chunk_kda_bwd_kernel_intra"):
+        first = names.index(kernel)
+        assert names[first + 1] == f"{kernel}_exact", names[first:first + 2]
 
 
 @pytest.mark.interpreter

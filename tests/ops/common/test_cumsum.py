@@ -106,6 +106,6 @@ def test_in_kernel_gate_forward_and_backward(device, lower_bound):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"d{name}: {m}")
 
 
-def test_wide_needs_a_forward_cumsum():
+def test_exact_blocks_need_a_forward_cumsum():
     with pytest.raises(ValueError, match="exact_blocks"):
         chunk_local_cumsum(torch.zeros(1, 8, 1, 4), 4, reverse=True, exact_blocks=torch.zeros(2, 1, dtype=torch.int32))
