@@ -48,7 +48,8 @@ def kda_cp_fwd_h(
         if state_v_first:
             S_in = S_in.transpose(-1, -2)
     h0 = expand_h0(S_in, initial_state, context, (HV, V, K) if state_v_first else (HV, K, V))
-    h, v_new, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, h0, output_final_state or sends_after_pass,
+    h, v_new, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, initial_state=h0,
+                                          output_final_state=output_final_state or sends_after_pass,
                                           chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
     if sends_after_pass:
         exchange = send_final_state(ht, context, diagonal=False, state_v_first=state_v_first)
@@ -77,8 +78,9 @@ def kda_cp_bwd_dhu(
         dht_local = gather_final_state_grad(dht, context)
     else:
         dht_local = walk_incoming_grad(qg, kg, w, gk, do, dv, scale, dht, exchange, state_v_first)
-    dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, dht_local, need_dh0 or sends_after_pass,
-                                            chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
+    dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, dht=dht_local,
+                                            need_dh0=need_dh0 or sends_after_pass, chunk_size=CHUNK_SIZE,
+                                            state_v_first=state_v_first, **walk)
     if sends_after_pass:
         send_first_state_grad(dh0, exchange, state_v_first)
     return dh, compress_h0(dh0, context, context.global_num_seqs, dht) if need_dh0 else None, dv2
@@ -154,7 +156,7 @@ def cp_fwd_fragment_h(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: to
     transitions in `segments` for `cp_bwd_fragment_dhu` (views of the walk's final states).
     """
     K, V = kg.shape[3], u.shape[3]
-    _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, None, True, cu_seqlens=segments.cu_seqlens,
+    _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, output_final_state=True, cu_seqlens=segments.cu_seqlens,
                                       chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
                                       store_chunk_states=False, state_columns=V + K, identity_tail=True,
                                       launch="cp_fwd_fragment_h")
@@ -174,7 +176,7 @@ def cp_bwd_fragment_dhu(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk:
     if segments.count > 1 and segments.transitions is None:
         raise ValueError(f"segments ({segments.count}) must have been walked by cp_fwd_fragment_h first: "
                          "the fold needs their transitions")
-    _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, None, True, cu_seqlens=segments.cu_seqlens,
+    _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, need_dh0=True, cu_seqlens=segments.cu_seqlens,
                                         chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
                                         store_chunk_grads=False, launch="cp_bwd_fragment_dhu")
     return _fold_segments(dS, segments.transitions, reverse=True)
@@ -201,8 +203,8 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
     fragment = (kg[:, start:], w[:, start:])
     if starts_here:
         _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:],
-                                          user_state_of_last(initial_state, context, state_v_first), True,
-                                          chunk_size=CHUNK_SIZE, store_chunk_states=False)
+                                          initial_state=user_state_of_last(initial_state, context, state_v_first),
+                                          output_final_state=True, chunk_size=CHUNK_SIZE, store_chunk_states=False)
         return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
     # Sized for the backward walk (V columns), which reuses these segments; the forward's
     # V + K columns give it twice the programs, which the SMs then run in two rounds.
@@ -236,7 +238,7 @@ def walk_incoming_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, exchange
         if dht_first is not None:
             dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
-                                                dv[:, :end], scale, dht_first, True, chunk_size=CHUNK_SIZE,
+                                                dv[:, :end], scale, dht=dht_first, need_dh0=True, chunk_size=CHUNK_SIZE,
                                                 store_chunk_grads=False)
         return dS_ext[0]
 

@@ -148,8 +148,9 @@ def chunk_fwd_h(
             `Diag(exp total[n]) S` to ht[n].
     """
     check_option("states_dtype", states_dtype, (torch.float32, torch.float16, torch.bfloat16))
-    return _walk("chunk_fwd_h", k, ("v", v), gk, ("h0", h0), 1.0, output_final_state, store_chunk_states,
-                 states_dtype, output_decays, (cu_seqlens, chunk_indices, chunk_offsets), chunk_size)
+    return _walk("chunk_fwd_h", k, ("v", v), gk, ("h0", h0), scale=1.0, store_final=output_final_state,
+                 store_chunks=store_chunk_states, states_dtype=states_dtype, output_decays=output_decays,
+                 varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size)
 
 
 def chunk_bwd_dh(
@@ -180,9 +181,9 @@ def chunk_bwd_dh(
             chunk to its sequence's end (a gradient dS arriving at the end of a sequence adds
             `Diag(exp decay[c]) dS` to dh[c]); else None.
     """
-    dh, dh0, decays = _walk("chunk_bwd_dh", q, ("do", do), gk, ("dht", dht), float(scale), need_dh0,
-                            store_chunk_grads, torch.float32, output_decays,
-                            (cu_seqlens, chunk_indices, chunk_offsets), chunk_size)
+    dh, dh0, decays = _walk("chunk_bwd_dh", q, ("do", do), gk, ("dht", dht), scale=float(scale), store_final=need_dh0,
+                            store_chunks=store_chunk_grads, states_dtype=torch.float32, output_decays=output_decays,
+                            varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size)
     return dh, dh0, decays[0] if output_decays else None
 
 

@@ -458,8 +458,10 @@ class ChunkGLAFunction(torch.autograd.Function):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
-        o, ht, saved, exchange = chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                                               chunk_indices, chunk_offsets, cp_context)
+        o, ht, saved, exchange = chunk_gla_fwd(q, k, v, g, scale, initial_state=initial_state,
+                                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                               chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+                                               cp_context=cp_context)
         save_for_backward(ctx, saved)
         ctx.options = dict(scale=scale, need_dh0=initial_state is not None, g_dtype=g.dtype, exchange=exchange)
         return o, ht

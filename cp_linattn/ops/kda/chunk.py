@@ -77,8 +77,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if use_qk_l2norm_in_kernel else (q, k)
         gate = KDAGate(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
         o, final_state, intra, h, v_new, exchange = chunk_kda_fwd(
-            qn, kn, v, g, beta, scale, initial_state, output_final_state, gate, state_v_first, cu_seqlens,
-            chunk_indices, chunk_offsets, cp_context,
+            qn, kn, v, g, beta, scale, initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets, cp_context=cp_context,
         )
         keep = disable_recompute
         normed = keep and use_qk_l2norm_in_kernel
@@ -103,9 +104,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         # l2norm backward (fp32 math, q's / k's dtype out) consumes them.
         gate = KDAGate(saved.A_log, saved.dt_bias, opt.lower_bound) if opt.use_gate_in_kernel else None
         dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_kda_bwd(
-            qn, kn, saved.v, saved.g, saved.beta, opt.scale, do, dht, opt.h0_dtype is not None, saved.intra(),
-            saved.h, saved.v_new, gate, opt.state_v_first, saved.cu_seqlens, saved.chunk_indices,
-            saved.chunk_offsets, opt.exchange,
+            qn, kn, saved.v, saved.g, saved.beta, opt.scale, do, dht=dht, need_dh0=opt.h0_dtype is not None,
+            intra=saved.intra(), h=saved.h, v_new=saved.v_new, gate=gate, state_v_first=opt.state_v_first,
+            cu_seqlens=saved.cu_seqlens, chunk_indices=saved.chunk_indices, chunk_offsets=saved.chunk_offsets,
+            exchange=opt.exchange,
             dqk_dtype=torch.float32 if opt.use_qk_l2norm_in_kernel else saved.q.dtype,
         )
         if dh0 is not None:

@@ -431,16 +431,17 @@ def chunk_kda_bwd(
     gk = intra.gk
     w, qg, kg = intra.w, intra.qg, intra.kg
     if w is None:
-        w, _, qg, kg, _, _ = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, Aqk=intra.Aqk,
-                                                 Akk=intra.Akk, compute_u=False)
+        w, _, qg, kg, _, _ = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens=cu_seqlens,
+                                                 chunk_indices=chunk_indices, Aqk=intra.Aqk, Akk=intra.Akk,
+                                                 compute_u=False)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     do = do.to(k.dtype)
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     dS, dv_o = chunk_kda_bwd_dAv(v_new=v_new, Aqk=intra.Aqk, do=do, scale=scale, **varlen)
     walk = dict(chunk_offsets=chunk_offsets, **varlen)
     if exchange is None:
-        dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv_o, scale, dht, need_dh0, chunk_size=CHUNK_SIZE,
-                                                state_v_first=state_v_first, **walk)
+        dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv_o, scale, dht=dht, need_dh0=need_dh0,
+                                                chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
     else:
         dh, dh0, dv2 = kda_cp_bwd_dhu(qg, kg, w, gk, do, dv_o, scale, dht=dht, need_dh0=need_dh0, exchange=exchange,
                                       state_v_first=state_v_first, **walk)

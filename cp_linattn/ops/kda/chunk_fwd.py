@@ -148,10 +148,10 @@ def chunk_kda_fwd_prepare(
     A fragment's transition is then `chunk_delta_rule_fwd_h(kg, w, zeros_like(w), gk,
     initial_state=I)` and its state from a zero start `chunk_delta_rule_fwd_h(kg, w, u, gk)`.
     """
-    gk, exact_blocks = chunk_kda_gate_cumsum(g, gate, cu_seqlens,
-                                             chunk_indices, span_limit(k.dtype))
-    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices,
-                                                 exact_blocks=exact_blocks)
+    gk, exact_blocks = chunk_kda_gate_cumsum(g, gate, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                             span_limit=span_limit(k.dtype))
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens=cu_seqlens,
+                                                 chunk_indices=chunk_indices, exact_blocks=exact_blocks)
     return ChunkKDAIntra(gk=gk, exact_blocks=exact_blocks, w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, Akk=Akk)
 
 
@@ -169,13 +169,14 @@ def chunk_kda_fwd(
     Returns o (`[B, T, HV, V]`, v's dtype), the fp32 final state or None, the intra-chunk
     quantities, h (fp32 `[B, NT, HV, K, V]`), v_new, and under CP the exchange.
     """
-    intra = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, gate,
-                                  cu_seqlens, chunk_indices)
+    intra = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, gate=gate, cu_seqlens=cu_seqlens,
+                                  chunk_indices=chunk_indices)
     walk = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
     exchange = None
     if cp_context is None:
-        h, v_new, ht = chunk_delta_rule_fwd_h(intra.kg, intra.w, intra.u, intra.gk, initial_state, output_final_state,
-                                              chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
+        h, v_new, ht = chunk_delta_rule_fwd_h(intra.kg, intra.w, intra.u, intra.gk, initial_state=initial_state,
+                                              output_final_state=output_final_state, chunk_size=CHUNK_SIZE,
+                                              state_v_first=state_v_first, **walk)
     else:
         h, v_new, ht, exchange = kda_cp_fwd_h(intra.kg, intra.w, intra.u, intra.gk, initial_state=initial_state,
                                               output_final_state=output_final_state, context=cp_context,
