@@ -48,7 +48,7 @@ def delta_walk_start(init, cu_seqlens, chunk_offsets, T, HV: tl.constexpr, K: tl
 
 
 @triton.jit
-def chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV: tl.constexpr, BT: tl.constexpr):
+def walk_chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV: tl.constexpr, BT: tl.constexpr):
     """Chunk i_t of a walk: (its rows in `[B, T, HV, *]` tensors, its [BT, BK] and [BT, BV] masks)."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < seq_len
@@ -77,7 +77,7 @@ def chunk_delta_rule_fwd_kernel_h(
     for i_t in range(0, tl.cdiv(seq_len, BT)):
         if STORE_CHUNKS:
             tl.store(h + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_h, mask=m_kv)
-        rows, m_tk, m_tv = chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
+        rows, m_tk, m_tv = walk_chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_u = tl.load(u + rows[:, None] * U_COLS + o_v[None, :], mask=m_tv & (o_v < U_COLS)[None, :],
                       other=0).to(tl.float32)
@@ -115,7 +115,7 @@ def chunk_delta_rule_bwd_kernel_dhu(
         i_t = n_steps - 1 - i_rev
         if STORE_CHUNKS:
             tl.store(dh + ((first_chunk + i_t) * HV + i_h) * K * V + h_offs, b_dh, mask=m_kv)
-        rows, m_tk, m_tv = chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
+        rows, m_tk, m_tv = walk_chunk_rows(i_t, bos, seq_len, i_h, m_k, m_v, HV, BT)
         b_kg = tl.load(kg + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0)
         b_dv = tl.load(dv + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0).to(tl.float32)
         b_dv2 = b_dv + tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PRECISION)

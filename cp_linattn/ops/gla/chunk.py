@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.common.index import chunk_bounds
+from cp_linattn.ops.common.index import block_offsets, chunk_bounds
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h, dot_precision
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum, suffix_sum
 from cp_linattn.ops.common.intra import (diagonal_split_factors, finite_or_zero, launch_takes_block,
@@ -52,7 +52,7 @@ SUB_CHUNK_SIZE = 16
 
 
 @triton.jit
-def chunk_rows(cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+def program_chunk(cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The chunk of a program of grid (tiles, NT, B * H): (i_h, its index in the state tensors,
     the tokens left in its sequence from its start, its first row in the flat (token, head)
     row space, the chunk-local row offsets and their mask)."""
@@ -70,9 +70,8 @@ def chunk_rows(cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, 
 def chunk_tile(i_d, chunk_row0, o_i, m_t, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
     """Block i_d of a head dim of D: (its offsets, their mask, the [BT, BD] mask and offsets
     of the chunk's rows in a `[B, T, H, D]` tensor)."""
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    return o_d, m_d, m_t[:, None] & m_d[None, :], (chunk_row0 + o_i[:, None] * H) * D + o_d[None, :]
+    o_d, m_d, m_td = block_offsets(i_d, BD, D, m_t)
+    return o_d, m_d, m_td, (chunk_row0 + o_i[:, None] * H) * D + o_d[None, :]
 
 
 @triton.jit
@@ -146,7 +145,7 @@ def chunk_gla_fwd_kernel_o(
     each writes the same A. Runs the chunks whose entry of exact_blocks (int32 `[NT_all, H]`) is
     nonzero if EXACT_DIAGONAL (exact diagonal blocks), the others if not."""
     i_v = tl.program_id(0)
-    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = program_chunk(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     if not launch_takes_block(tl.load(exact_blocks + state_index * H + i_h), EXACT_DIAGONAL):
         return
     dtype = q.dtype.element_ty
@@ -188,7 +187,7 @@ def chunk_gla_bwd_kernel_dv(
     """dv = A^T do + (k * exp(b_last - b)) dh for one [BT, BV] tile, A the forward's scaled
     scores; grid like the output."""
     i_v = tl.program_id(0)
-    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = program_chunk(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     dtype = k.dtype.element_ty
     last_row = chunk_row0 + (tl.minimum(chunk_len, BT) - 1) * H
     o_v = i_v * BV + tl.arange(0, BV)
@@ -222,7 +221,7 @@ def chunk_gla_bwd_kernel_dqkg(
     nonzero exact_blocks entries if EXACT_DIAGONAL (exact diagonal blocks), the others if not, as the output
     kernel."""
     i_k = tl.program_id(0)
-    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = chunk_rows(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    i_h, state_index, chunk_len, chunk_row0, o_i, m_t = program_chunk(cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     if not launch_takes_block(tl.load(exact_blocks + state_index * H + i_h), EXACT_DIAGONAL):
         return
     dtype = q.dtype.element_ty

@@ -41,7 +41,7 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, launch_takes_block, nonfinite_part
 from cp_linattn.ops.kda.chunk_fwd import ChunkKDAIntra, KDAGate
 from cp_linattn.ops.kda.gate import kda_gate_bwd_cumsum
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_intra, chunk_rows
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_intra, wy_chunk_rows
 from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tile, tiles
 
 
@@ -95,7 +95,7 @@ def chunk_kda_bwd_kernel_wy_dqkg(
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     bos, seq_len, t0, i_state = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, BT, IS_VARLEN)
-    chunk_len, o_c, m_c, qk_rows, rows = chunk_rows(bos, t0, seq_len, i_h, i_hv, H, HV, BT)
+    chunk_len, o_c, m_c, qk_rows, rows = wy_chunk_rows(bos, t0, seq_len, i_h, i_hv, H, HV, BT)
     dtype = k.dtype.element_ty
     i_last = (bos + t0 + chunk_len - 1) * HV + i_hv
     h_base = (i_state * HV + i_hv) * K * V

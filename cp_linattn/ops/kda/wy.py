@@ -43,7 +43,7 @@ SUB_CHUNK_SIZE = 16
 
 
 @triton.jit
-def chunk_rows(bos, t0, seq_len, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr):
+def wy_chunk_rows(bos, t0, seq_len, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr):
     """(chunk_len, o_c, m_c, its rows in q/k `[B, T, H, *]`, its rows in `[B, T, HV, *]`) of the
     chunk starting at token t0 of a sequence starting at token bos."""
     chunk_len = tl.minimum(BT, seq_len - t0)
@@ -185,7 +185,7 @@ def chunk_kda_fwd_kernel_intra(
     if COMPUTE_A:
         if not launch_takes_block(tl.load(exact_blocks + i_chunk * HV + i_hv), EXACT_DIAGONAL):
             return
-    chunk_len, o_c, m_c, qk_rows, hv_rows = chunk_rows(bos, t0, seq_len, i_h, i_hv, H, HV, BT)
+    chunk_len, o_c, m_c, qk_rows, hv_rows = wy_chunk_rows(bos, t0, seq_len, i_h, i_hv, H, HV, BT)
     dtype = k.dtype.element_ty
     # the chunk's [BT, BT] matrices: row r, column c at a_base + r * a_stride + c
     a_off = ((bos + t0) * HV + i_hv) * BT
