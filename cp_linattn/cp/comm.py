@@ -77,6 +77,20 @@ def all_gather_tensor(x: torch.Tensor, group: ProcessGroup | None = None) -> tor
     return out.view(world_size, *x.shape).to(x.device)
 
 
+def all_gather_parts(x: torch.Tensor, context: FLACPContext) -> torch.Tensor:
+    """Gather one row per part: `x` `[P, ...]` holds this rank's local parts' rows; returns
+    `[num_slots, ...]`, every part's row in chain order (`context.chain`). Ranks with fewer
+    parts pad; with one part per rank, rank order is chain order and nothing is copied."""
+    P_max = max(len(r) for r in context.all_ranges)
+    if x.shape[0] < P_max:
+        x = torch.cat([x, x.new_zeros(P_max - x.shape[0], *x.shape[1:])])
+    flat = all_gather_tensor(x, context.group).flatten(0, 1)
+    if P_max == 1:
+        return flat
+    index = torch.tensor([r * P_max + i for r, i in context.chain], device=flat.device)
+    return flat.index_select(0, index)
+
+
 # gloo companions of NCCL-only groups, by (default group, member ranks): made once, kept for the job.
 _HOST_GROUPS: dict[tuple[int, tuple[int, ...]], ProcessGroup] = {}
 
@@ -101,52 +115,62 @@ def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 
 
 def send_recv_chain(
-    step: Callable[[torch.Tensor | None], torch.Tensor],
+    step: Callable[[int, torch.Tensor | None], torch.Tensor],
     context: FLACPContext,
     *,
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
     direction: str = "forward",
-) -> torch.Tensor | None:
-    """Fold a state along the chain of ranks that share a sequence, one hop at a time.
+) -> list[torch.Tensor | None]:
+    """Fold a state along the chain of parts that share a sequence, one hop at a time.
 
-    direction="forward" (the state of the first local sequence, LASP-1 style):
-      1. if `context.pre_num_ranks > 0`, receive the state from rank - 1, else None;
-      2. if `context.post_num_ranks > 0`, call `step(received)` and send its result to rank + 1.
-    direction="backward" mirrors it (the gradient of the last local sequence): receive from
-    rank + 1 when `post_num_ranks > 0`, send `step(received)` to rank - 1 when `pre_num_ranks > 0`.
+    direction="forward" (the state entering each local part's first sequence, LASP-1 style),
+    for each local part i in token order:
+      1. if it receives (`pre_num_parts > 0`), receive the state from the previous part of the
+         chain (on another rank), else None;
+      2. if it sends (`post_num_parts > 0`), call `step(i, received)` and send the result to
+         the next part of the chain.
+    direction="backward" mirrors it in reverse token order (the gradient of each part's last
+    sequence): receive from the next part when it sends, send `step(i, received)` to the
+    previous part when it receives.
 
-    For the forward fold, `step(S_in)` returns this rank's outgoing state
-    `M_r S_in + S_ext_r` when its first and last local sequences are one sequence
-    (`context.num_seqs == 1`), else just `S_ext_r` (its last sequence starts here);
-    S_in is None when nothing was received. Messages go only between ranks sharing a
-    sequence, so a rank whose first sequence starts locally never waits.
+    For the forward fold, `step(i, S_in)` returns part i's outgoing state `M_i S_in + S_ext_i`
+    when its first and last sequences are one sequence, else just `S_ext_i`. Messages go only
+    between parts sharing a sequence, so a part whose first sequence starts in it never
+    waits. Each rank takes its parts in chain order and every message goes one slot along the
+    chain, so the waits always resolve (sends do not block; tags name the receiving slot).
 
     shape, dtype: of every message (e.g. `[H, K, V]` float32), the same on every rank.
-    `step` is called only on ranks that send, after their receive; it must return a tensor
+    `step` is called only for parts that send, after their receive; it must return a tensor
     of exactly `shape` and `dtype`. Messages are staged to and from `context.device`.
-    Returns the received tensor on `context.device`, or None. Not differentiable.
+    Returns, per local part, the received tensor on `context.device`, or None. Not differentiable.
     """
     check_option("direction", direction, ("forward", "backward"))
     shape = tuple(int(s) for s in shape)
-    has_prev, has_next = context.pre_num_ranks > 0, context.post_num_ranks > 0
-    if direction == "forward":
-        src = context.rank - 1 if has_prev else None
-        dst = context.rank + 1 if has_next else None
-    else:
-        src = context.rank + 1 if has_next else None
-        dst = context.rank - 1 if has_prev else None
-    group = context.group
-
-    received = None
-    if src is not None:
-        buf = torch.empty(shape, dtype=dtype, device=wire_device(backend_for(group, context.device.type), context.device))
-        dist.recv(buf, src=_global_rank(group, src), group=group)
-        received = buf.to(context.device)
-    if dst is not None:
-        out = step(received)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
-            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"send_recv_chain: step must return a tensor of shape {shape} and dtype {dtype}, got {got}")
-        dist.send(_to_wire(out, group), dst=_global_rank(group, dst), group=group)
+    group, chain, forward = context.group, context.chain, direction == "forward"
+    received: list[torch.Tensor | None] = [None] * len(context.parts)
+    pending = []
+    order = range(len(context.parts)) if forward else range(len(context.parts) - 1, -1, -1)
+    for i in order:
+        part = context.parts[i]
+        has_src, has_dst = (part.receives, part.sends) if forward else (part.sends, part.receives)
+        hop = 1 if forward else -1
+        if has_src:
+            buf = torch.empty(shape, dtype=dtype, device=wire_device(backend_for(group, context.device.type),
+                                                                     context.device))
+            src = chain[part.slot - hop][0]
+            dist.recv(buf, src=_global_rank(group, src), group=group, tag=2 * part.slot + (not forward))
+            received[i] = buf.to(context.device)
+        if has_dst:
+            out = step(i, received[i])
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+                got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"send_recv_chain: step must return a tensor of shape {shape} and dtype {dtype}, "
+                                 f"got {got}")
+            out = _to_wire(out, group)
+            dst_slot = part.slot + hop
+            pending.append((dist.isend(out, dst=_global_rank(group, chain[dst_slot][0]), group=group,
+                                       tag=2 * dst_slot + (not forward)), out))
+    for work, _ in pending:
+        work.wait()
     return received

@@ -1,9 +1,12 @@
 """Context-parallel sharding metadata: which tokens and sequences each rank holds.
 
 The packed token stream of a varlen batch (`B == 1`, global `cu_seqlens`, T tokens) is cut
-into contiguous per-rank slices `[start, end)`; rank r holds `split[r] >= 1` tokens. A
-sequence may start on one rank and end several ranks later; only a rank's FIRST local
-sequence can continue from earlier ranks and only its LAST can continue on later ones.
+into *parts*, global token ranges `[start, end)`; each rank holds one or more of them (its
+*layout*: one range per rank for `contiguous`, the front and back part for `zigzag`, any
+disjoint cover of `[0, T)` through `ranges=`), and its local tensor is their concatenation in
+token order. The parts in token order form the *chain*: a sequence may start in one part and
+end several parts later, and a rank may hold several fragments of it. Only a part's FIRST
+local sequence can continue from earlier parts and only its LAST can continue on later ones.
 
 Empty global sequences (repeated offsets) own no tokens, so they appear on no rank: the
 local `cu_seqlens` lists only the non-empty sequences overlapping the slice, and
@@ -30,6 +33,59 @@ from cp_linattn.cp.comm import all_gather_tensor, backend_for
 from cp_linattn.ops.utils import _fmt_shape, check_cu_seqlens, check_option, host_offsets
 
 COMM_MODES = ("all_gather", "send_recv")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class CPPart:
+    """One range of a rank's layout, as the state chain sees it.
+
+    start, end: its global tokens `[start, end)`; offset: where they begin in the local tensor.
+    seq_begin, seq_end: its local sequences `[seq_begin, seq_end)` (indices into the local
+        `cu_seqlens`; at least one).
+    slot: its position in the chain of all parts in token order (`FLACPContext.chain`).
+    pre_num_parts / post_num_parts: how many earlier / later parts hold a piece of its first /
+        last sequence: that sequence enters from (leaves to) the neighbouring slot iff > 0.
+    first_seq_end / last_seq_start: local tokens where its first sequence's fragment ends and
+        its last sequence's fragment begins.
+    first_seq_offset: tokens of its first sequence before `start`.
+    conv_tokens: min(first_seq_offset, conv1d_kernel_size - 1), 0 without a convolution.
+    """
+
+    start: int
+    end: int
+    offset: int
+    seq_begin: int
+    seq_end: int
+    slot: int
+    pre_num_parts: int
+    post_num_parts: int
+    first_seq_end: int
+    last_seq_start: int
+    first_seq_offset: int
+    conv_tokens: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_end - self.seq_begin
+
+    @property
+    def receives(self) -> bool:
+        """Its first sequence began in an earlier part (a state arrives, a gradient leaves)."""
+        return self.pre_num_parts > 0
+
+    @property
+    def sends(self) -> bool:
+        """Its last sequence goes on in a later part (a state leaves, a gradient arrives)."""
+        return self.post_num_parts > 0
+
+    @property
+    def first_seq_ends_here(self) -> bool:
+        return self.num_seqs > 1 or not self.sends
+
+    @property
+    def last_seq_starts_here(self) -> bool:
+        return self.num_seqs > 1 or not self.receives
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,22 +98,26 @@ class FLACPContext:
 
     group: the CP process group (None = the default group); rank, world_size: within it.
     comm: boundary-state transport, "all_gather" or "send_recv".
-    split: tokens held by each rank (sum == T); this rank holds `[start, end)` of the
-        global packed stream.
+    layout: "contiguous", "zigzag" or "ranges" (given explicitly).
+    ranges: this rank's global token ranges `((start, end), ...)`, ascending, non-empty,
+        adjacent ones merged; the local tensor is their concatenation.
+    all_ranges: every rank's `ranges`, indexed by rank.
+    parts: one `CPPart` per range of `ranges`: where it sits in the chain and its sequences.
+    split: tokens held by each rank (sum == T).
     global_cu_seqlens_cpu: int64 `[N_global + 1]` on the CPU.
-    cu_seqlens / cu_seqlens_cpu: LOCAL int64 `[num_seqs + 1]` offsets (0 .. end - start) on
-        `device` / on the CPU.
-    seq_ids: int64 `[num_seqs]` (CPU), the global index of each local sequence.
-    pre_num_ranks / post_num_ranks: how many earlier / later ranks hold a part of this
-        rank's first / last local sequence.
+    cu_seqlens / cu_seqlens_cpu: LOCAL int64 `[num_seqs + 1]` offsets (0 .. local_len) on
+        `device` / on the CPU, cut at every part boundary too.
+    seq_ids: int64 `[num_seqs]` (CPU), the global index of each local sequence (a sequence
+        held in two parts appears twice).
+    pre_num_ranks / post_num_ranks: how many earlier / later parts hold a piece of this
+        rank's first / last local sequence (ranks, under a contiguous layout).
     is_first_rank / is_last_rank: pre_num_ranks == 0 / post_num_ranks == 0 (FLA's meaning:
         this rank's first sequence starts here / its last sequence ends here).
-    rank_first_seq / rank_last_seq: for every rank, the global id of its first / last
-        local sequence; ranks i < j share a sequence iff rank_last_seq[i] == rank_first_seq[j].
-    first_seq_offset: tokens of the first local sequence that lie before `start` (uncapped).
+    first_seq_offset: tokens of the first local sequence before this rank's first token.
     conv1d_kernel_size: short-convolution width of the layers, or None.
     pre_num_conv_tokens: min(first_seq_offset, conv1d_kernel_size - 1), 0 when None: the
-        tokens a short convolution must fetch from earlier ranks.
+        tokens a short convolution must fetch for the first part (`CPPart.conv_tokens` for
+        every part).
     device: the compute device (where `cu_seqlens` lives and received states arrive).
     """
 
@@ -65,9 +125,11 @@ class FLACPContext:
     rank: int
     world_size: int
     comm: str
+    layout: str
+    ranges: tuple[tuple[int, int], ...]
+    all_ranges: tuple[tuple[tuple[int, int], ...], ...]
+    parts: tuple[CPPart, ...]
     split: tuple[int, ...]
-    start: int
-    end: int
     global_cu_seqlens_cpu: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
@@ -76,8 +138,6 @@ class FLACPContext:
     post_num_ranks: int
     is_first_rank: bool
     is_last_rank: bool
-    rank_first_seq: tuple[int, ...]
-    rank_last_seq: tuple[int, ...]
     first_seq_offset: int
     conv1d_kernel_size: int | None
     pre_num_conv_tokens: int
@@ -99,13 +159,48 @@ class FLACPContext:
 
     @property
     def local_len(self) -> int:
-        return self.end - self.start
+        return self.split[self.rank]
+
+    @property
+    def start(self) -> int:
+        """First global token of this rank (its slice is `[start, end)` when it holds one range)."""
+        return self.ranges[0][0]
+
+    @property
+    def end(self) -> int:
+        """One past the last global token of this rank."""
+        return self.ranges[-1][1]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.parts)
+
+    @property
+    def pre_num_ranks_by_part(self) -> tuple[int, ...]:
+        """FLA's zigzag field: earlier parts sharing each local part's first sequence."""
+        return tuple(p.pre_num_parts for p in self.parts)
+
+    @property
+    def post_num_ranks_by_part(self) -> tuple[int, ...]:
+        """FLA's zigzag field: later parts sharing each local part's last sequence."""
+        return tuple(p.post_num_parts for p in self.parts)
+
+    @functools.cached_property
+    def chain(self) -> tuple[tuple[int, int], ...]:
+        """The parts of every rank in token order, as `(rank, index among its parts)`."""
+        slots = [(rs[0], r, i) for r, ranks in enumerate(self.all_ranges) for i, rs in enumerate(ranks)]
+        return tuple((r, i) for _, r, i in sorted(slots))
+
+    @functools.cached_property
+    def token_positions(self) -> torch.Tensor:
+        """int64 `[local_len]` (CPU): the global index of each local token."""
+        return torch.cat([torch.arange(s, e) for s, e in self.ranges])
 
     @functools.cached_property
     def batch_signature(self) -> str:
         """What every rank's context must agree on (the global offsets, split and transport),
         for the per-call check of `cp_linattn.cp.guard`: a context of another batch differs."""
-        digest = _digest(self.global_cu_seqlens_cpu, self.split, self.comm)
+        digest = _digest(self.global_cu_seqlens_cpu, self.all_ranges, self.comm)
         return f"T={self.total_tokens}, N={self.global_num_seqs}, hash={digest:x}"
 
     def with_conv1d_kernel_size(self, conv1d_kernel_size: int | None) -> FLACPContext:
@@ -115,6 +210,8 @@ class FLACPContext:
             self,
             conv1d_kernel_size=conv1d_kernel_size,
             pre_num_conv_tokens=_pre_num_conv_tokens(self.first_seq_offset, conv1d_kernel_size),
+            parts=tuple(dataclasses.replace(p, conv_tokens=_pre_num_conv_tokens(p.first_seq_offset, conv1d_kernel_size))
+                        for p in self.parts),
         )
 
     def check_local(self, x, name: str = "x", dim: int = 1) -> None:
@@ -129,10 +226,11 @@ class FLACPContext:
                 f"{name} must have batch size 1 under context parallelism (a packed batch), got shape {_fmt_shape(x.shape)}"
             )
         if x.shape[dim] != self.local_len:
+            held = ", ".join(f"[{s}, {e})" for s, e in self.ranges)
             raise ValueError(
-                f"{name}.shape[{dim}] must be {self.local_len} (the tokens [{self.start}, {self.end}) this rank holds "
+                f"{name}.shape[{dim}] must be {self.local_len} (the tokens {held} this rank holds "
                 f"under cp_context), got {x.shape[dim]} (shape {_fmt_shape(x.shape)}); "
-                "pass the local shard, not the global tensor"
+                "pass the local shard (cp_linattn.cp.context.shard), not the global tensor"
             )
 
     def check_group(self, group: ProcessGroup | None) -> None:
@@ -169,11 +267,6 @@ def default_split(total_tokens: int, world_size: int) -> tuple[int, ...]:
 
 def _check_split(split, total_tokens: int, world_size: int) -> tuple[int, ...]:
     if split is None:
-        if total_tokens < world_size:
-            raise ValueError(
-                f"cu_seqlens holds T={total_tokens} tokens, fewer than the world size {world_size}: "
-                "every rank needs at least one token"
-            )
         return default_split(total_tokens, world_size)
     if not isinstance(split, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) for s in split):
         raise TypeError(f"split must be a list or tuple of ints (tokens per rank), got {split!r}")
@@ -186,17 +279,96 @@ def _check_split(split, total_tokens: int, world_size: int) -> tuple[int, ...]:
     return tuple(split)
 
 
+def _check_ranges(ranges, total_tokens: int, world_size: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Validate explicit per-rank ranges: a disjoint cover of [0, T), each rank's ascending."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(ranges, (list, tuple)) or len(ranges) != world_size:
+        n = len(ranges) if isinstance(ranges, (list, tuple)) else type(ranges).__name__
+        raise ValueError(f"ranges must hold one list of (start, end) pairs per rank ({world_size}), got {n}")
+    out = []
+    for r, held in enumerate(ranges):
+        if not isinstance(held, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p)) for p in held):
+            raise TypeError(f"ranges[{r}] must be a list of (start, end) int pairs, got {held!r}")
+        pairs = [tuple(p) for p in held]
+        for s, e in pairs:
+            if not 0 <= s <= e <= total_tokens:
+                raise ValueError(f"ranges[{r}] has ({s}, {e}), outside 0 <= start <= end <= T={total_tokens}")
+        if any(b[0] < a[1] for a, b in zip(pairs, pairs[1:])):
+            raise ValueError(f"ranges[{r}] must be ascending and disjoint (the local tensor is their "
+                             f"concatenation in token order), got {pairs}")
+        out.append(pairs)
+    flat = sorted((s, e, r) for r, pairs in enumerate(out) for s, e in pairs if e > s)
+    covered = 0
+    for s, e, r in flat:
+        if s != covered:
+            what = f"tokens [{covered}, {s}) are on no rank" if s > covered else f"token {s} is on two ranks"
+            raise ValueError(f"ranges must cover [0, T={total_tokens}) exactly once: {what} (rank {r} holds ({s}, {e}))")
+        covered = e
+    if covered != total_tokens:
+        raise ValueError(f"ranges must cover [0, T={total_tokens}) exactly once: tokens [{covered}, {total_tokens}) "
+                         "are on no rank")
+    return tuple(tuple(pairs) for pairs in out)
+
+
+def layout_ranges(total_tokens: int, world_size: int, layout: str = "contiguous", split=None,
+                  ranges=None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's global token ranges under a layout (the general form every layout reduces to).
+
+    contiguous: one range per rank, `split` tokens each (default: equal shares, the first
+    `T % W` ranks one more). zigzag: 2W parts of equal length (the first `T % 2W` one token
+    longer), rank r holds parts r and 2W-1-r. ranges: explicit, any disjoint cover of `[0, T)`
+    (each rank's list ascending; layout must stay "contiguous" and split None). Empty ranges
+    are dropped and adjacent ones of a rank merged; every rank must hold a token.
+    """
+    check_option("layout", layout, LAYOUTS)
+    W, T = world_size, total_tokens
+    if ranges is not None:
+        if layout != "contiguous" or split is not None:
+            raise ValueError(f"ranges= is the layout itself: pass it without layout= ({layout!r}) and split= ({split!r})")
+        per_rank = _check_ranges(ranges, T, W)
+    elif layout == "zigzag":
+        if split is not None:
+            raise ValueError(f"split= applies to the contiguous layout only, got split={split!r} with layout='zigzag'")
+        bounds = [0, *torch.tensor(default_split(T, 2 * W)).cumsum(0).tolist()]
+        per_rank = tuple(((bounds[r], bounds[r + 1]), (bounds[2 * W - 1 - r], bounds[2 * W - r])) for r in range(W))
+    else:
+        if split is None and T < W:
+            raise ValueError(f"cu_seqlens holds T={T} tokens, fewer than the world size {W}: every rank needs at "
+                             "least one token")
+        ends = torch.tensor(_check_split(split, T, W)).cumsum(0).tolist()
+        per_rank = tuple(((e - n, e),) for e, n in zip(ends, _check_split(split, T, W)))
+    merged = []
+    for r, pairs in enumerate(per_rank):
+        held: list[tuple[int, int]] = []
+        for s, e in pairs:
+            if e == s:
+                continue
+            if held and held[-1][1] == s:
+                held[-1] = (held[-1][0], e)
+            else:
+                held.append((s, e))
+        if not held:
+            raise ValueError(f"rank {r} holds no token under layout {layout if ranges is None else 'ranges'} "
+                             f"(T={T}, world size {W}): every rank needs at least one token")
+        merged.append(tuple(held))
+    return tuple(merged)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """The validated global metadata every rank agrees on."""
 
     cu: torch.Tensor  # int64 [N + 1], CPU
-    split: tuple[int, ...]
+    layout: str
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
     comm: str
     conv1d_kernel_size: int | None
 
 
-def _make_plan(cu_seqlens, cu_seqlens_cpu, world_size: int, split, comm, conv1d_kernel_size) -> _Plan:
+def _make_plan(cu_seqlens, cu_seqlens_cpu, world_size: int, layout, split, ranges, comm, conv1d_kernel_size) -> _Plan:
     if cu_seqlens_cpu is not None:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -214,7 +386,8 @@ def _make_plan(cu_seqlens, cu_seqlens_cpu, world_size: int, split, comm, conv1d_
     cu = check_cu_seqlens(host, batch_size=1, seq_len=seq_len, device=host.device if ok_1d else None)
     check_option("comm", comm, COMM_MODES)
     _check_conv1d_kernel_size(conv1d_kernel_size)
-    return _Plan(cu.clone(), _check_split(split, seq_len, world_size), comm, conv1d_kernel_size)
+    per_rank = layout_ranges(seq_len, world_size, layout, split, ranges)
+    return _Plan(cu.clone(), "ranges" if ranges is not None else layout, per_rank, comm, conv1d_kernel_size)
 
 
 def _digest(*parts) -> int:
@@ -243,7 +416,7 @@ def _agree(plan: _Plan | None, error: Exception | None, raw: tuple, world_size: 
     """
     if plan is not None and error is None:
         fp = [1, world_size, int(plan.cu[-1]), plan.cu.numel() - 1,
-              _digest(plan.cu, plan.split, plan.comm, plan.conv1d_kernel_size)]
+              _digest(plan.cu, plan.ranges, plan.comm, plan.conv1d_kernel_size)]
     else:
         fp = [0, world_size, -1, -1, _digest(*raw)]
     rows = all_gather_tensor(torch.tensor(fp, dtype=torch.int64), group).tolist()
@@ -256,7 +429,7 @@ def _agree(plan: _Plan | None, error: Exception | None, raw: tuple, world_size: 
         for r, row in enumerate(rows)
     )
     msg = (
-        "cu_seqlens differ across ranks: build_cp_context needs the same global cu_seqlens, split, comm, "
+        "cu_seqlens differ across ranks: build_cp_context needs the same global cu_seqlens, layout, split, ranges, comm, "
         f"conv1d_kernel_size and a valid device on every rank of the group, got {desc}"
     )
     if error is not None:
@@ -264,14 +437,38 @@ def _agree(plan: _Plan | None, error: Exception | None, raw: tuple, world_size: 
     raise ValueError(msg) from error
 
 
-def _owner(split_ends: torch.Tensor, token: int) -> int:
-    """The rank whose slice holds global token `token`."""
-    return int(torch.searchsorted(split_ends, token, side="right"))
-
-
 def _seq_of(cu: torch.Tensor, token: int) -> int:
     """The (necessarily non-empty) global sequence holding `token`: cu[i] <= token < cu[i + 1]."""
     return int(torch.searchsorted(cu[1:], token, side="right"))
+
+
+def _parts(cu: torch.Tensor, all_ranges, rank: int, conv1d_kernel_size: int | None
+           ) -> tuple[tuple[CPPart, ...], torch.Tensor, torch.Tensor]:
+    """This rank's parts, its local cu_seqlens (cut at every part boundary) and seq_ids."""
+    starts = sorted(s for ranges in all_ranges for s, _ in ranges)
+    slot_starts = torch.tensor(starts, dtype=torch.int64)
+
+    def slot_of(token: int) -> int:
+        return int(torch.searchsorted(slot_starts, token, side="right")) - 1
+
+    parts, offsets, ids_all, offset, n_seqs = [], [cu.new_zeros(1)], [], 0, 0
+    for start, end in all_ranges[rank]:
+        first, last = _seq_of(cu, start), _seq_of(cu, end - 1)
+        ids = torch.arange(first, last + 1)
+        ids = ids[cu[ids + 1] > cu[ids]]
+        local = cu[ids + 1].clamp(max=end) - start
+        slot = slot_of(start)
+        first_seq_offset = start - int(cu[first])
+        parts.append(CPPart(
+            start=start, end=end, offset=offset, seq_begin=n_seqs, seq_end=n_seqs + len(ids), slot=slot,
+            pre_num_parts=slot - slot_of(int(cu[first])), post_num_parts=slot_of(int(cu[last + 1]) - 1) - slot,
+            first_seq_end=offset + int(local[0]), last_seq_start=offset + (int(local[-2]) if len(ids) > 1 else 0),
+            first_seq_offset=first_seq_offset, conv_tokens=_pre_num_conv_tokens(first_seq_offset, conv1d_kernel_size)))
+        offsets.append(local + offset)
+        ids_all.append(ids)
+        offset += end - start
+        n_seqs += len(ids)
+    return tuple(parts), torch.cat(offsets), torch.cat(ids_all)
 
 
 def build_cp_context(
@@ -280,7 +477,9 @@ def build_cp_context(
     conv1d_kernel_size: int | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     *,
+    layout: str = "contiguous",
     split: Sequence[int] | None = None,
+    ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
     comm: str = "all_gather",
     device: torch.device | str | None = None,
 ) -> FLACPContext:
@@ -289,8 +488,14 @@ def build_cp_context(
     cu_seqlens: the GLOBAL offsets, int64 `[N + 1]` (CPU or GPU), starting at 0,
         non-decreasing, ending at T; empty sequences allowed. The same on every rank.
     group: the CP process group; None = the default group.
-    split: tokens per rank (len == world size, each >= 1, sum == T); default: equal shares,
-        the first `T % world_size` ranks one token more.
+    layout: "contiguous" (default: rank r holds one slice, `split[r]` tokens) or "zigzag"
+        (the stream cut into 2W parts whose lengths differ by at most one token; rank r holds
+        parts r and 2W-1-r, its local tensor `[front; back]`: balances causal softmax attention).
+    split: tokens per rank for the contiguous layout (len == world size, each >= 1, sum == T);
+        default: equal shares, the first `T % world_size` ranks one token more.
+    ranges: the general form instead of a named layout: per rank, a list of global
+        `(start, end)` token ranges in ascending order; together a disjoint cover of `[0, T)`
+        (e.g. balanced by document). See `layout_ranges`.
     comm: "all_gather" (default) or "send_recv", the transport for boundary states.
     device: where the local `cu_seqlens` and received states live; default
         `cu_seqlens.device` if it is a CUDA device, else the current CUDA device for an NCCL
@@ -299,7 +504,8 @@ def build_cp_context(
     cu_seqlens_cpu: optional CPU copy of `cu_seqlens` (spares a device-to-host copy). Checked
         against cu_seqlens where that costs no wait for the device: cu_seqlens itself on the
         CPU, or its values read back earlier (`cp_linattn.ops.utils.host_offsets`); else
-        trusted, as FLA does. The first four parameters match `fla.ops.cp.build_cp_context`.
+        trusted, as FLA does. The first four parameters and `layout` match
+        `fla.ops.cp.build_cp_context`.
 
     Collective: every rank of `group` must call it with the same arguments; they exchange
     one small fingerprint, and a mismatch raises ValueError on every rank (never a hang).
@@ -316,12 +522,13 @@ def build_cp_context(
 
     plan, error = None, None
     try:
-        plan = _make_plan(cu_seqlens, cu_seqlens_cpu, world_size, split, comm, conv1d_kernel_size)
+        plan = _make_plan(cu_seqlens, cu_seqlens_cpu, world_size, layout, split, ranges, comm, conv1d_kernel_size)
         if device is not None:
             device = torch.device(device)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
-    raw = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, split, comm, conv1d_kernel_size, device)
+    raw = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, layout, split, ranges, comm, conv1d_kernel_size,
+           device)
     _agree(plan, error, raw, world_size, group)
 
     if device is None:
@@ -332,66 +539,54 @@ def build_cp_context(
         else:
             device = torch.device("cpu")
 
-    cu, split = plan.cu, plan.split
-    split_ends = torch.tensor(split, dtype=torch.int64).cumsum(0)
-    starts = [int(e) - s for e, s in zip(split_ends, split)]
-    ends = split_ends.tolist()
-    rank_first_seq = tuple(_seq_of(cu, s) for s in starts)
-    rank_last_seq = tuple(_seq_of(cu, e - 1) for e in ends)
-    start, end = starts[rank], ends[rank]
-    first, last = rank_first_seq[rank], rank_last_seq[rank]
-
-    ids = torch.arange(first, last + 1)
-    ids = ids[cu[ids + 1] > cu[ids]]
-    local_cu = torch.cat([cu.new_zeros(1), cu[ids + 1].clamp(max=end) - start])
-    first_seq_offset = start - int(cu[first])
-    pre_num_ranks = rank - _owner(split_ends, int(cu[first]))
-    post_num_ranks = _owner(split_ends, int(cu[last + 1]) - 1) - rank
-
+    parts, local_cu, ids = _parts(plan.cu, plan.ranges, rank, plan.conv1d_kernel_size)
+    first, last = parts[0], parts[-1]
     return FLACPContext(
         group=group,
         rank=rank,
         world_size=world_size,
         comm=plan.comm,
-        split=split,
-        start=start,
-        end=end,
-        global_cu_seqlens_cpu=cu,
+        layout=plan.layout,
+        ranges=plan.ranges[rank],
+        all_ranges=plan.ranges,
+        parts=parts,
+        split=tuple(sum(e - s for s, e in held) for held in plan.ranges),
+        global_cu_seqlens_cpu=plan.cu,
         cu_seqlens=local_cu.to(device),
         cu_seqlens_cpu=local_cu,
         seq_ids=ids,
-        pre_num_ranks=pre_num_ranks,
-        post_num_ranks=post_num_ranks,
-        is_first_rank=pre_num_ranks == 0,
-        is_last_rank=post_num_ranks == 0,
-        rank_first_seq=rank_first_seq,
-        rank_last_seq=rank_last_seq,
-        first_seq_offset=first_seq_offset,
+        pre_num_ranks=first.pre_num_parts,
+        post_num_ranks=last.post_num_parts,
+        is_first_rank=first.pre_num_parts == 0,
+        is_last_rank=last.post_num_parts == 0,
+        first_seq_offset=first.first_seq_offset,
         conv1d_kernel_size=plan.conv1d_kernel_size,
-        pre_num_conv_tokens=_pre_num_conv_tokens(first_seq_offset, plan.conv1d_kernel_size),
+        pre_num_conv_tokens=first.conv_tokens,
         device=device,
     )
 
 
 def shard(x: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.Tensor:
-    """This rank's slice `x[:, start:end]` (along `dim`) of a global packed tensor.
+    """This rank's tokens of a global packed tensor: the concatenation of `x[:, s:e]` over its
+    ranges (along `dim`), in the layout's local order.
 
-    x: `[1, T, ...]` (any dtype; T along `dim`). Returns a view (differentiable), contiguous
-    when dim == 1 and B == 1.
+    x: `[1, T, ...]` (any dtype; T along `dim`). Differentiable; a view when the rank holds one
+    range (contiguous when dim == 1 and B == 1), else a copy.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     T = context.total_tokens
     if x.dim() <= dim or x.shape[dim] != T:
         raise ValueError(f"x.shape[{dim}] must be T={T} (the global packed length), got shape {_fmt_shape(x.shape)}")
-    return x.narrow(dim, context.start, context.local_len)
+    pieces = [x.narrow(dim, s, e - s) for s, e in context.ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.Tensor:
     """Gather every rank's shard back into the global `[1, T, ...]` tensor (on every rank).
 
-    local: this rank's `[1, end - start, ...]` (T along `dim`); every other dimension and the
-    dtype must match across ranks. Uneven splits are padded for the all-gather. A
+    local: this rank's `[1, local_len, ...]` (T along `dim`); every other dimension and the
+    dtype must match across ranks. Uneven shares are padded for the all-gather. A
     collective over `context.group`; not differentiable (for tests and the harness: to
     check gradients, backpropagate `shard(dO, ctx)` through the local output).
     """
@@ -401,7 +596,11 @@ def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.T
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     rows = all_gather_tensor(x, context.group)
-    return torch.cat([rows[r, :n] for r, n in enumerate(context.split)]).movedim(0, dim)
+    order = torch.cat([torch.arange(s, e) for held in context.all_ranges for s, e in held]).to(x.device)
+    gathered = torch.cat([rows[r, :n] for r, n in enumerate(context.split)])
+    out = torch.empty_like(gathered)
+    out[order] = gathered
+    return out.movedim(0, dim)
 
 
 def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Tensor) -> torch.Tensor:

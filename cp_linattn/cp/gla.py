@@ -9,8 +9,9 @@ import torch
 
 from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.exchange import (CPExchange, compress_h0, exchange_backward, exchange_forward, expand_h0,
-                                    first_fragment, gather_final_state_grad, last_fragment, receive_final_state_grad,
-                                    receive_state, scatter_final_state, send_final_state, send_first_state_grad)
+                                    first_rows, gather_final_state_grad, last_rows, part_rows, receive_final_state_grad,
+                                    receive_state, receives_any, scatter_final_state, send_final_state,
+                                    send_first_state_grad, sends_any)
 from cp_linattn.cp.merge import add_decayed_state
 from cp_linattn.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
 
@@ -21,8 +22,8 @@ def gla_cp_fwd_h(
 ) -> tuple[torch.Tensor, torch.Tensor | None, CPExchange]:
     """`chunk_fwd_h` on this rank's shard, with the state the earlier ranks hand over.
 
-    A rank that receives nothing sends its pass's last final state; one that receives and sends
-    nothing more receives before its pass; a middle rank corrects its pass afterwards.
+    A rank none of whose parts receives sends its pass's final states; one that receives and
+    sends nothing receives before its pass; any other corrects its pass afterwards.
 
     Args:
         k, v, gk, chunk_size, walk: as in `chunk_fwd_h` (walk: cu_seqlens, chunk_indices,
@@ -33,8 +34,8 @@ def gla_cp_fwd_h(
         (h, the final state `[N_global, H, K, V]` with this rank's rows or None, the exchange).
     """
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
-    receives, sends = context.pre_num_ranks > 0, context.post_num_ranks > 0
-    S_in = exchange = None
+    receives, sends = receives_any(context), sends_any(context)
+    S_in, exchange = [None] * context.num_parts, None
     if receives and not sends:
         S_in, exchange = receive_state(context, (H, K, V), diagonal=True)
     h, ht, decays = chunk_fwd_h(k, v, gk, h0=expand_h0(S_in, initial_state, context, (H, K, V)),
@@ -65,7 +66,7 @@ def gla_cp_bwd_dh(
     """
     context = exchange.context
     H, K, V = q.shape[2], q.shape[3], do.shape[3]
-    receives, sends = context.post_num_ranks > 0, context.pre_num_ranks > 0
+    receives, sends = sends_any(context), receives_any(context)
     if receives and not sends:
         dht_local = receive_final_state_grad(dht, exchange, (H, K, V))
     else:
@@ -79,17 +80,25 @@ def gla_cp_bwd_dh(
     return dh, compress_h0(dh0, context, context.global_num_seqs, dht) if need_dh0 else None
 
 
+def _chunk_span(context: FLACPContext, seq: int, chunk_size: int) -> slice:
+    """The chunks of local sequence `seq` in the `[1, NT, ...]` per-chunk tensors (chunks
+    restart at every local sequence start)."""
+    n = (context.cu_seqlens_cpu.diff() + chunk_size - 1) // chunk_size
+    first = int(n[:seq].sum())
+    return slice(first, first + int(n[seq]))
+
+
 def correct_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[torch.Tensor, torch.Tensor],
                             context: FLACPContext, chunk_size: int) -> CPExchange:
-    """The forward exchange of a middle rank (`pre_num_ranks > 0`, `post_num_ranks > 0`), run
-    after its local pass (`chunk_fwd_h`, the first sequence started from zero): sends that
-    pass's last final state and total decay, then adds the received state to the first
+    """The forward exchange of a rank that both receives and sends, run after its local pass
+    (`chunk_fwd_h`, each part's first sequence started from zero): sends each part's last
+    final state and total decay, then adds the received state to a receiving part's first
     sequence's states in place, `h[c] += Diag(exp decay[c]) S_in` (and to its final state when
-    it ends here). cp/README.md, section 4 (correct after).
+    it ends in the part). cp/README.md, section 4 (correct after).
 
     Args:
         h: `[1, NT, H, K, V]` per-chunk states of the local pass (updated in place).
-        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (row 0 updated in place).
+        ht: fp32 `[num_seqs, H, K, V]` final states of the local pass (updated in place).
         decays: `chunk_fwd_h(output_decays=True)`'s (decay `[1, NT, H, K]`, total
             `[num_seqs, H, K]`).
 
@@ -97,21 +106,25 @@ def correct_incoming_state(h: torch.Tensor, ht: torch.Tensor, decays: tuple[torc
         The exchange, for the backward.
     """
     decay, total = decays
-    S_in, exchange = exchange_forward(ht[-1], total[-1].exp(), context)
-    end, ends_here = first_fragment(context)
-    n = -(-end // chunk_size)
-    add_decayed_state(h[0, :n], decay[0, :n], S_in)
-    if ends_here:  # its final state is read
-        ht[0] += total[0].exp()[..., None] * S_in
+    last = last_rows(context)
+    S_in, exchange = exchange_forward(part_rows(ht, last), part_rows(total, last).exp(), context)
+    for part, s in zip(context.parts, S_in):
+        if s is None:
+            continue
+        span = _chunk_span(context, part.seq_begin, chunk_size)
+        add_decayed_state(h[0, span], decay[0, span], s)
+        if part.first_seq_ends_here:  # its final state is read
+            ht[part.seq_begin] += total[part.seq_begin].exp()[..., None] * s
     return exchange
 
 
 def correct_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Tensor,
                            exchange: CPExchange, chunk_size: int) -> None:
-    """The backward exchange of a middle rank, run after its local reverse pass (`chunk_bwd_dh`
-    with the last row of dht zero): sends `dh0[0]`, then adds the received gradient to the last
-    sequence's per-chunk gradients in place, `dh[c] += Diag(exp decay[c]) dS_in` (and to its
-    dh0 when it starts here). cp/README.md, section 4 (correct after).
+    """The backward exchange of a rank that both receives and sends, run after its local
+    reverse pass (`chunk_bwd_dh` with the rows of the parts' continuing last sequences of dht
+    zero): sends each part's first-sequence `dh0` row, then adds the received gradient to a
+    sending part's last sequence's per-chunk gradients in place, `dh[c] += Diag(exp decay[c])
+    dS_in` (and to its dh0 when it starts in the part). cp/README.md, section 4.
 
     Args:
         dh: fp32 `[1, NT, H, K, V]`; dh0: fp32 `[num_seqs, H, K, V]` (both updated in place);
@@ -119,10 +132,11 @@ def correct_incoming_grad(dh: torch.Tensor, dh0: torch.Tensor, decay: torch.Tens
         exchange: the forward's `CPExchange`.
     """
     context = exchange.context
-    dS_in = exchange_backward(dh0[0], exchange)
-    start, starts_here = last_fragment(context)
-    NT = dh.shape[1]
-    n = -(-(int(context.cu_seqlens_cpu[-1]) - start) // chunk_size)
-    add_decayed_state(dh[0, NT - n:], decay[0, NT - n:], dS_in)
-    if starts_here:  # its dh0 is read
-        dh0[-1] += exchange.M_local[..., None] * dS_in
+    dS_in = exchange_backward(part_rows(dh0, first_rows(context)), exchange)
+    for i, (part, g) in enumerate(zip(context.parts, dS_in)):
+        if g is None:
+            continue
+        span = _chunk_span(context, part.seq_end - 1, chunk_size)
+        add_decayed_state(dh[0, span], decay[0, span], g)
+        if part.last_seq_starts_here:  # its dh0 is read
+            dh0[part.seq_end - 1] += exchange.M_local[i][..., None] * g

@@ -13,8 +13,8 @@ import triton
 
 from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.exchange import (CPExchange, compress_h0, exchange_forward, expand_h0, gather_final_state_grad,
-                                    last_fragment, receive_final_state_grad, receive_state, scatter_final_state,
-                                    send_final_state, send_first_state_grad, user_state_of_last)
+                                    receive_final_state_grad, receive_state, receives_any, scatter_final_state,
+                                    send_final_state, send_first_state_grad, sends_any, user_state_of_last)
 from cp_linattn.cp.merge import fold_states
 from cp_linattn.ops.common.chunk_delta_h import (chunk_delta_rule_bwd_dhu, chunk_delta_rule_fwd_h,
                                                  delta_state_block_sizes)
@@ -29,8 +29,9 @@ def kda_cp_fwd_h(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CPExchange]:
     """`chunk_delta_rule_fwd_h` on this rank's shard, from the state the earlier ranks hand over.
 
-    A rank that receives a state walks for its message and exchanges before its local pass; one
-    that receives none runs its pass first, and that pass's last final state is its message.
+    A rank some part of which receives a state walks for its messages and exchanges before its
+    local pass; one that receives none runs its pass first, and that pass's final states are
+    its messages.
 
     Args:
         kg, w, u, gk, walk: as in `chunk_delta_rule_fwd_h` (walk: cu_seqlens, chunk_indices,
@@ -41,12 +42,12 @@ def kda_cp_fwd_h(
         (h, v_new, the final state `[N_global, ...]` with this rank's rows or None, the exchange).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
-    sends_after_pass = not context.pre_num_ranks
-    S_in = exchange = None
+    sends_after_pass = not receives_any(context)
+    S_in, exchange = [None] * context.num_parts, None
     if not sends_after_pass:
         S_in, exchange = walk_incoming_state(kg, w, u, gk, initial_state, context, state_v_first)
         if state_v_first:
-            S_in = S_in.transpose(-1, -2)
+            S_in = [s if s is None else s.transpose(-1, -2) for s in S_in]
     h0 = expand_h0(S_in, initial_state, context, (HV, V, K) if state_v_first else (HV, K, V))
     h, v_new, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, initial_state=h0,
                                           output_final_state=output_final_state or sends_after_pass,
@@ -73,7 +74,7 @@ def kda_cp_bwd_dhu(
         (dh, the gradient of the user's `[N_global, ...]` initial state (fp32) or None, dv2).
     """
     context = exchange.context
-    sends_after_pass = not context.post_num_ranks
+    sends_after_pass = not sends_any(context)
     if sends_after_pass:
         dht_local = gather_final_state_grad(dht, context)
     else:
@@ -183,9 +184,9 @@ def cp_bwd_fragment_dhu(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk:
 
 
 def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
-    """The forward exchange of a rank that receives a state (`pre_num_ranks > 0`), run before
-    its local state pass. A middle rank first walks its last fragment for the message: with
-    `cp_fwd_fragment_h` (in segments, kept in the exchange for the backward) when its only
+    """The forward exchange of a rank that receives a state (some part receives), run before
+    its local state pass. Each part that sends first walks its last fragment for its message:
+    with `cp_fwd_fragment_h` (in segments, kept in the exchange for the backward) when its only
     sequence continues through it, else from the user's state on u alone (M sent as zeros).
     cp/README.md, section 4 (walk before).
 
@@ -194,23 +195,32 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
         initial_state: the user's `[N_global, ...]` states or None, laid out as `state_v_first`.
 
     Returns:
-        (S_in fp32 `[HV, K, V]`, K-first; the `CPExchange`).
+        (per local part: S_in fp32 `[HV, K, V]` (K-first) or None; the `CPExchange`).
     """
     HV, K, V = kg.shape[2], kg.shape[3], u.shape[3]
-    if not context.post_num_ranks:
+    if not sends_any(context):
         return receive_state(context, (HV, K, V), diagonal=False)
-    start, starts_here = last_fragment(context)
-    fragment = (kg[:, start:], w[:, start:])
-    if starts_here:
-        _, _, ht = chunk_delta_rule_fwd_h(*fragment, u[:, start:], gk[:, start:],
-                                          initial_state=user_state_of_last(initial_state, context, state_v_first),
-                                          output_final_state=True, chunk_size=CHUNK_SIZE, store_chunk_states=False)
-        return exchange_forward(ht[0], ht.new_zeros(HV, K, K), context)
-    # Sized for the backward walk (V columns), which reuses these segments; the forward's
-    # V + K columns give it twice the programs, which the SMs then run in two rounds.
-    _, BV = delta_state_block_sizes("cp_bwd_fragment_dhu", K, V)
-    segments = FragmentSegments.filling(kg.shape[1] - start, HV * triton.cdiv(V, BV), kg.device)
-    S_ext, M = cp_fwd_fragment_h(*fragment, u[:, start:], gk[:, start:], segments)
+    S_ext = kg.new_zeros(context.num_parts, HV, K, V, dtype=torch.float32)
+    M = kg.new_zeros(context.num_parts, HV, K, K, dtype=torch.float32)
+    segments = {}
+    for i, part in enumerate(context.parts):
+        if not part.sends:
+            continue
+        end = part.offset + part.end - part.start
+        start = part.last_seq_start
+        fragment = (kg[:, start:end], w[:, start:end], u[:, start:end], gk[:, start:end])
+        if part.last_seq_starts_here:
+            _, _, ht = chunk_delta_rule_fwd_h(*fragment,
+                                              initial_state=user_state_of_last(initial_state, context, part,
+                                                                               state_v_first),
+                                              output_final_state=True, chunk_size=CHUNK_SIZE, store_chunk_states=False)
+            S_ext[i] = ht[0]
+            continue
+        # Sized for the backward walk (V columns), which reuses these segments; the forward's
+        # V + K columns give it twice the programs, which the SMs then run in two rounds.
+        _, BV = delta_state_block_sizes("cp_bwd_fragment_dhu", K, V)
+        segments[i] = FragmentSegments.filling(end - start, HV * triton.cdiv(V, BV), kg.device)
+        S_ext[i], M[i] = cp_fwd_fragment_h(*fragment, segments[i])
     S_in, exchange = exchange_forward(S_ext, M, context)
     exchange.segments = segments
     return S_in, exchange
@@ -218,10 +228,10 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
 
 def walk_incoming_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, exchange: CPExchange,
                          state_v_first: bool):
-    """The backward exchange of a rank that receives a gradient (`post_num_ranks > 0`), run
-    before its local reverse pass. A middle rank's message is a dhu pass over its first
-    fragment from a zero gradient (`cp_bwd_fragment_dhu` over the forward's segments when the
-    rank holds one sequence). cp/README.md, section 4 (walk before).
+    """The backward exchange of a rank that receives a gradient (some part sends), run before
+    its local reverse pass. A receiving part's message is a dhu pass over its first fragment
+    from a zero gradient (`cp_bwd_fragment_dhu` over the forward's segments when the part
+    holds one sequence). cp/README.md, section 4 (walk before).
 
     Args:
         qg, kg, w, gk, do, scale: as in `chunk_delta_rule_bwd_dhu`; dv: the intra-chunk
@@ -230,15 +240,23 @@ def walk_incoming_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, exchange
         exchange: the forward's `CPExchange`.
 
     Returns:
-        The local dht (layout as the states), the gradient from later ranks in the last row.
+        The local dht (layout as the states), the gradients from later parts in the rows of
+        the parts' last sequences.
     """
-    def message(end: int, dht_first: torch.Tensor | None) -> torch.Tensor:
-        if exchange.segments is not None:  # the forward walked these tokens (the rank's only sequence)
-            return cp_bwd_fragment_dhu(qg, kg, w, gk, do, dv, scale, exchange.segments)
+    parts = exchange.context.parts
+
+    def message(i: int, dht_first: torch.Tensor | None) -> torch.Tensor:
+        part = parts[i]
+        a = part.offset
+        if i in exchange.segments:  # the forward walked these tokens (the part's only sequence)
+            b = a + part.end - part.start
+            return cp_bwd_fragment_dhu(qg[:, a:b], kg[:, a:b], w[:, a:b], gk[:, a:b], do[:, a:b], dv[:, a:b], scale,
+                                       exchange.segments[i])
         if dht_first is not None:
             dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
-        _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, :end], kg[:, :end], w[:, :end], gk[:, :end], do[:, :end],
-                                                dv[:, :end], scale, dht=dht_first, need_dh0=True, chunk_size=CHUNK_SIZE,
+        b = part.first_seq_end
+        _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, a:b], kg[:, a:b], w[:, a:b], gk[:, a:b], do[:, a:b], dv[:, a:b],
+                                                scale, dht=dht_first, need_dh0=True, chunk_size=CHUNK_SIZE,
                                                 store_chunk_grads=False)
         return dS_ext[0]
 

@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 
 
 def _steps_since_start(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, T: int,
-                       first_continues: bool, width: int) -> torch.Tensor:
+                       continuing: list[int], width: int) -> torch.Tensor:
     """`[T]` int64: how many earlier tokens of its own sequence each token may read.
 
-    Tokens of a sequence that began on an earlier rank may read up to W-1 halo rows (which
-    are zero where the sequence had no token), hence the offset of `width - 1`.
+    Tokens of a local sequence in `continuing` (the first sequence of a part, begun in an
+    earlier part) may read up to W-1 halo rows (which are zero where the sequence had no
+    token), hence the offset of `width - 1`.
     """
     pos = torch.arange(T)
     if cu_seqlens is None:
@@ -30,16 +31,17 @@ def _steps_since_start(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Te
     cu = host_offsets(cu_seqlens, cu_seqlens_cpu)
     seq = torch.bucketize(pos, cu[1:], right=True)
     since = pos - cu[seq]
-    if first_continues:
-        since = torch.where(seq == 0, since + width - 1, since)
+    if continuing:
+        since = torch.where(torch.isin(seq, torch.tensor(continuing)), since + width - 1, since)
     return since
 
 
 class ShortConvolution(nn.Module):
     """Causal depthwise conv (width W, no bias) + SiLU that restarts at every sequence start.
 
-    Under CP the first local sequence reads the last W-1 tokens of the same sequence on the
-    earlier ranks (`cp_linattn.cp.conv.conv_halo`), so the result equals the unsharded one.
+    Under CP the first sequence of each local part reads the last W-1 tokens of the same
+    sequence in the earlier parts (`cp_linattn.cp.conv.conv_halo`), so the result equals the
+    unsharded one.
     """
 
     def __init__(self, dim: int, width: int = 4) -> None:
@@ -61,14 +63,21 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"x must be [B, T, {self.dim}], got shape {list(x.shape)}")
         B, T, D = x.shape
         n = self.width - 1
-        if cp_context is not None:
-            halo = conv_halo(x[0], cp_context, self.width)[None] if n > 0 else x.new_zeros(1, 0, D)
-        else:
-            halo = x.new_zeros(B, n, D)
+        continuing = [p.seq_begin for p in cp_context.parts if p.receives] if cp_context is not None else []
+        since = _steps_since_start(cu_seqlens, cp_context.cu_seqlens_cpu if cp_context else None, T, continuing,
+                                   self.width).to(x.device)
+        if cp_context is None:
+            return self._conv(x, x.new_zeros(B, n, D), since)
+        halos = conv_halo(x[0], cp_context, self.width) if n > 0 else x.new_zeros(cp_context.num_parts, 0, D)
+        # one convolution per part: each reads its own halo
+        outs = [self._conv(x[:, p.offset:p.offset + p.end - p.start], halos[i][None],
+                           since[p.offset:p.offset + p.end - p.start]) for i, p in enumerate(cp_context.parts)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def _conv(self, x: torch.Tensor, halo: torch.Tensor, since: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, D]` after halo `[B, W - 1, D]`; since `[T]` as `_steps_since_start`."""
+        n, T = self.width - 1, x.shape[1]
         x_ext = torch.cat([halo, x], dim=1)
-        since = _steps_since_start(cu_seqlens, cp_context.cu_seqlens_cpu if cp_context else None, T,
-                                   cp_context is not None and cp_context.pre_num_ranks > 0, self.width)
-        since = since.to(x.device)
         w = self.weight.to(x.dtype)
         out = x * w[:, n]
         for j in range(1, self.width):

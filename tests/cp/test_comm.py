@@ -32,14 +32,14 @@ def _chain(rank: int, world_size: int) -> dict:
         for direction in ("forward", "backward"):
             calls = []
 
-            def step(state_in, calls=calls, ctx=ctx):
+            def step(i, state_in, calls=calls, ctx=ctx):
                 calls.append(state_in)
                 # the outgoing state depends on the incoming one only when this rank holds a
                 # single sequence (first == last), exactly like M_r S_in + S_ext_r
                 carried = state_in if state_in is not None and ctx.num_seqs == 1 else 0
                 return _message(rank) + carried
 
-            received = send_recv_chain(step, ctx, shape=SHAPE, direction=direction)
+            (received,) = send_recv_chain(step, ctx, shape=SHAPE, direction=direction)
             assert received is None or (received.shape == SHAPE and received.dtype == torch.float32)
             row[direction] = None if received is None else received.unique().tolist()
             row[direction + "_calls"] = len(calls)
@@ -49,7 +49,7 @@ def _chain(rank: int, world_size: int) -> dict:
     groups = [dist.new_group(ranks=[0, 1]), dist.new_group(ranks=[2, 3])]
     group = groups[rank // 2]
     ctx = build_cp_context(torch.tensor([0, 8]), group)
-    got = send_recv_chain(lambda s: _message(rank), ctx, shape=SHAPE)
+    (got,) = send_recv_chain(lambda i, s: _message(rank), ctx, shape=SHAPE)
     out["subgroup"] = None if got is None else got.unique().tolist()
     out["subgroup_gather"] = all_gather_tensor(torch.tensor([rank]), group).tolist()
     return out
@@ -115,8 +115,9 @@ def test_staging_rules(monkeypatch):
 
 def test_chain_rejects_a_step_of_the_wrong_shape_before_sending():
     # a sender-only position (rank 0 of a shared sequence): nothing is received, so no process group is needed
-    ctx = SimpleNamespace(rank=0, pre_num_ranks=0, post_num_ranks=1, group=None, device=torch.device("cpu"))
+    part = SimpleNamespace(receives=False, sends=True, slot=0, num_seqs=1)
+    ctx = SimpleNamespace(rank=0, parts=(part,), chain=((0, 0), (1, 0)), group=None, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"step must return a tensor of shape \(2, 3, 4\) and dtype torch.float32, got \(2, 3\)"):
-        send_recv_chain(lambda s: torch.zeros(2, 3), ctx, shape=SHAPE)
+        send_recv_chain(lambda i, s: torch.zeros(2, 3), ctx, shape=SHAPE)
     with pytest.raises(ValueError, match="direction must be one of"):
-        send_recv_chain(lambda s: torch.zeros(SHAPE), ctx, shape=SHAPE, direction="up")
+        send_recv_chain(lambda i, s: torch.zeros(SHAPE), ctx, shape=SHAPE, direction="up")

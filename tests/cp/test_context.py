@@ -13,35 +13,59 @@ from cp_linattn.cp import build_cp_context, default_split, shard, unshard
 from tests.multirank import run_ranks
 
 
-def brute_force_meta(cu: list[int], split: list[int], rank: int, conv1d_kernel_size: int | None) -> dict:
-    """Per-token definition of a rank's metadata, written independently of build_cp_context."""
+def brute_force_meta(cu: list[int], owner: list[int], rank: int, conv1d_kernel_size: int | None) -> dict:
+    """Per-token definition of a rank's metadata, written independently of build_cp_context.
+
+    owner: the rank holding each global token. A part is a maximal run of tokens of one owner;
+    the chain is the parts in token order."""
     T = cu[-1]
     seq_of = [i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])]
-    owner = [r for r, n in enumerate(split) for _ in range(n)]
     assert len(seq_of) == len(owner) == T
-    start = sum(split[:rank])
-    end = start + split[rank]
-    local = [seq_of[t] for t in range(start, end)]
-    seq_ids = sorted(set(local))
-    local_cu = [0]
-    for s in seq_ids:
-        local_cu.append(local_cu[-1] + local.count(s))
-    first, last = seq_of[start], seq_of[end - 1]
-    offset = sum(1 for t in range(start) if seq_of[t] == first)
-    bounds = [sum(split[:r]) for r in range(len(split))]
+    run = [0] * T  # the part (chain slot) of each token
+    for t in range(1, T):
+        run[t] = run[t - 1] + (owner[t] != owner[t - 1])
+    mine = [t for t in range(T) if owner[t] == rank]
+    local_cu, seq_ids, parts = [0], [], []
+    for slot in sorted({run[t] for t in mine}):
+        tokens = [t for t in mine if run[t] == slot]
+        first, last = seq_of[tokens[0]], seq_of[tokens[-1]]
+        offset = sum(1 for t in range(tokens[0]) if seq_of[t] == first)
+        for s in sorted({seq_of[t] for t in tokens}):
+            seq_ids.append(s)
+            local_cu.append(local_cu[-1] + sum(1 for t in tokens if seq_of[t] == s))
+        parts.append({
+            "range": (tokens[0], tokens[-1] + 1),
+            "slot": slot,
+            "pre": len({run[t] for t in range(T) if seq_of[t] == first and run[t] < slot}),
+            "post": len({run[t] for t in range(T) if seq_of[t] == last and run[t] > slot}),
+            "first_seq_offset": offset,
+            "conv_tokens": 0 if conv1d_kernel_size is None else min(offset, conv1d_kernel_size - 1),
+        })
     return {
-        "start": start,
-        "end": end,
-        "split": tuple(split),
+        "ranges": tuple(p["range"] for p in parts),
+        "split": tuple(owner.count(r) for r in range(max(owner) + 1)),
         "cu_seqlens": local_cu,
         "seq_ids": seq_ids,
-        "pre_num_ranks": len({owner[t] for t in range(T) if seq_of[t] == first and owner[t] < rank}),
-        "post_num_ranks": len({owner[t] for t in range(T) if seq_of[t] == last and owner[t] > rank}),
-        "first_seq_offset": offset,
-        "pre_num_conv_tokens": 0 if conv1d_kernel_size is None else min(offset, conv1d_kernel_size - 1),
-        "rank_first_seq": tuple(seq_of[b] for b in bounds),
-        "rank_last_seq": tuple(seq_of[b + n - 1] for b, n in zip(bounds, split)),
+        "parts": parts,
+        "token_positions": mine,
+        "pre_num_ranks": parts[0]["pre"],
+        "post_num_ranks": parts[-1]["post"],
+        "first_seq_offset": parts[0]["first_seq_offset"],
+        "pre_num_conv_tokens": parts[0]["conv_tokens"],
     }
+
+
+def _owners(T: int, world_size: int, layout: dict) -> list[int]:
+    """The owner of each token, from the layout's own definition (not from layout_ranges)."""
+    if "ranges" in layout:
+        return [next(r for r, held in enumerate(layout["ranges"]) if any(s <= t < e for s, e in held))
+                for t in range(T)]
+    if layout.get("layout") == "zigzag":
+        sizes = default_split(T, 2 * world_size)
+        part = [i for i, n in enumerate(sizes) for _ in range(n)]
+        return [p if p < world_size else 2 * world_size - 1 - p for p in part]
+    split = layout.get("split") or default_split(T, world_size)
+    return [r for r, n in enumerate(split) for _ in range(n)]
 
 
 def _build_cases(rank: int, world_size: int, cases_by_size: dict) -> dict:
@@ -50,8 +74,8 @@ def _build_cases(rank: int, world_size: int, cases_by_size: dict) -> dict:
     for n, cases in cases_by_size.items():
         group = None if n == world_size else dist.new_group(ranks=list(range(n)))  # every rank must call new_group
         if rank < n:
-            out[n] = [_describe(build_cp_context(torch.tensor(cu), group, split=split, conv1d_kernel_size=k))
-                      for cu, split, k in cases]
+            out[n] = [_describe(build_cp_context(torch.tensor(cu), group, conv1d_kernel_size=k, **layout))
+                      for cu, layout, k in cases]
     return out
 
 
@@ -65,10 +89,14 @@ def _describe(ctx) -> dict:
     assert ctx.cu_seqlens.dtype == ctx.cu_seqlens_cpu.dtype == ctx.seq_ids.dtype == torch.int64
     assert ctx.cu_seqlens.device == ctx.device == torch.device("cpu")
     assert ctx.is_first_rank == (ctx.pre_num_ranks == 0) and ctx.is_last_rank == (ctx.post_num_ranks == 0)
-    assert ctx.num_seqs == len(ctx.seq_ids) and ctx.local_len == ctx.end - ctx.start
+    assert ctx.num_seqs == len(ctx.seq_ids) and ctx.local_len == sum(e - s for s, e in ctx.ranges)
+    for p in ctx.parts:  # the part's own view of its sequences agrees with the local offsets
+        cu = ctx.cu_seqlens_cpu.tolist()
+        assert cu[p.seq_begin] == p.offset and cu[p.seq_end] == p.offset + p.end - p.start
+        assert p.first_seq_end == cu[p.seq_begin + 1] and p.last_seq_start == cu[p.seq_end - 1]
+        assert ctx.chain[p.slot] == (ctx.rank, ctx.parts.index(p))
     return {
-        "start": ctx.start,
-        "end": ctx.end,
+        "ranges": ctx.ranges,
         "split": ctx.split,
         "rank": ctx.rank,
         "world_size": ctx.world_size,
@@ -78,17 +106,28 @@ def _describe(ctx) -> dict:
         "global_cu_seqlens_cpu": ctx.global_cu_seqlens_cpu.tolist(),
         "global_num_seqs": ctx.global_num_seqs,
         "seq_ids": ctx.seq_ids.tolist(),
+        "parts": [{"range": (p.start, p.end), "slot": p.slot, "pre": p.pre_num_parts, "post": p.post_num_parts,
+                   "first_seq_offset": p.first_seq_offset, "conv_tokens": p.conv_tokens} for p in ctx.parts],
+        "token_positions": ctx.token_positions.tolist(),
         "pre_num_ranks": ctx.pre_num_ranks,
         "post_num_ranks": ctx.post_num_ranks,
         "first_seq_offset": ctx.first_seq_offset,
         "pre_num_conv_tokens": ctx.pre_num_conv_tokens,
         "conv4": ctx.with_conv1d_kernel_size(4).pre_num_conv_tokens,
-        "rank_first_seq": ctx.rank_first_seq,
-        "rank_last_seq": ctx.rank_last_seq,
-        "local_matches": torch.equal(local, x[:, ctx.start:ctx.end]),
+        "local_matches": torch.equal(local, x[:, ctx.token_positions]),
         "round_trip": torch.equal(unshard(local, ctx), x),
         "round_trip_dim2": torch.equal(unshard(shard(head_first, ctx, dim=2), ctx, dim=2), head_first),
     }
+
+
+def _random_ranges(rng: random.Random, T: int, world_size: int) -> list:
+    """A random disjoint cover of [0, T) in which every rank holds at least one range."""
+    pieces = rng.randint(world_size, min(T, 3 * world_size))
+    cuts = sorted(rng.sample(range(1, T), pieces - 1))
+    bounds = list(zip([0] + cuts, cuts + [T]))
+    owners = list(range(world_size)) + [rng.randrange(world_size) for _ in range(pieces - world_size)]
+    rng.shuffle(owners)
+    return [[b for b, o in zip(bounds, owners) if o == r] for r in range(world_size)]
 
 
 def _random_cases(world_size: int, n: int, seed: int) -> list:
@@ -98,31 +137,41 @@ def _random_cases(world_size: int, n: int, seed: int) -> list:
         # zero lengths (empty sequences) are frequent, including at the ends of the batch
         lens = [rng.choice([0, 0, 1, 2, 3, 5, 8, 13]) for _ in range(rng.randint(1, 8))]
         T = sum(lens)
-        if T < world_size:
+        if T < max(world_size, 2):
             continue
         cu = [0]
         for n_tok in lens:
             cu.append(cu[-1] + n_tok)
-        split = None
-        if rng.random() < 0.4:
+        layout, pick = {}, rng.random()
+        if pick < 0.25 and world_size > 1:
             cuts = sorted(rng.sample(range(1, T), world_size - 1))
-            split = [b - a for a, b in zip([0] + cuts, cuts + [T])]
-        cases.append((cu, split, rng.choice([None, 2, 4])))
+            layout = {"split": [b - a for a, b in zip([0] + cuts, cuts + [T])]}
+        elif pick < 0.5:
+            layout = {"layout": "zigzag"}
+        elif pick < 0.75:
+            layout = {"ranges": _random_ranges(rng, T, world_size)}
+        cases.append((cu, layout, rng.choice([None, 2, 4])))
     return cases
 
 
 def _fixed_cases(world_size: int) -> list:
     W = world_size
+    zig = {"layout": "zigzag"}
     cases = [
-        ([0, 7 * W + 3], None, 4),  # one long sequence over every rank, T % W != 0
-        ([0, 0, 4 * W, 4 * W], None, None),  # empty sequences at both ends
-        ([0] + [4 * (r + 1) for r in range(W)], None, 3),  # every sequence ends exactly on a rank edge
-        ([0] + [x for r in range(W) for x in (4 * r + 4, 4 * r + 4)], None, None),  # ...followed by an empty one
-        ([0, 1, 5 * W - 1, 5 * W], None, 2),  # ranks wholly inside the middle sequence
-        ([0, 3, 3, 3, 9 + W], None, None),  # repeated offsets inside a rank
+        ([0, 7 * W + 3], {}, 4),  # one long sequence over every rank, T % W != 0
+        ([0, 0, 4 * W, 4 * W], {}, None),  # empty sequences at both ends
+        ([0] + [4 * (r + 1) for r in range(W)], {}, 3),  # every sequence ends exactly on a rank edge
+        ([0] + [x for r in range(W) for x in (4 * r + 4, 4 * r + 4)], {}, None),  # ...followed by an empty one
+        ([0, 1, 5 * W - 1, 5 * W], {}, 2),  # ranks wholly inside the middle sequence
+        ([0, 3, 3, 3, 9 + W], {}, None),  # repeated offsets inside a rank
+        ([0, 7 * W + 3], zig, 4),  # one document over every part, T % 2W != 0
+        ([0, 2 * W - 1, 2 * W + 1, 6 * W], zig, 3),  # a document across the fold between the halves
+        ([0, W, W + 1], zig, 2),  # T = W + 1 < 2W: empty parts
     ]
     if W > 1:
-        cases.append(([0, 2 * W + 1], [1] * (W - 1) + [W + 2], 5))  # explicit, very uneven split
+        ranges = [[(0, 1), (5 * W + 1, 5 * W + 2)]] + [[(r, r + 1)] for r in range(1, W - 1)] + [[(W - 1, 5 * W + 1)]]
+        cases.append(([0, 5, 5 * W + 2], {"ranges": ranges}, 4))  # one-token parts around a long one
+        cases.append(([0, 2 * W + 1], {"split": [1] * (W - 1) + [W + 2]}, 5))  # explicit, very uneven split
     return cases
 
 
@@ -130,14 +179,13 @@ def _fixed_cases(world_size: int) -> list:
 @pytest.mark.slow
 def test_context_metadata_matches_brute_force():
     # one spawn of 4 ranks covers CP degrees 1..4 through groups of the first n ranks
-    cases_by_size = {n: _fixed_cases(n) + _random_cases(n, 25, seed=n) for n in (1, 2, 3, 4)}
+    cases_by_size = {n: _fixed_cases(n) + _random_cases(n, 40, seed=n) for n in (1, 2, 3, 4)}
     per_rank = run_ranks(_build_cases, 4, cases_by_size, timeout=120)
     for n, cases in cases_by_size.items():
         for rank in range(n):
-            for (cu, split, k), got in zip(cases, per_rank[rank][n]):
-                used_split = split if split is not None else list(default_split(cu[-1], n))
-                want = brute_force_meta(cu, used_split, rank, k)
-                where = f"rank {rank}/{n}, cu_seqlens={cu}, split={split}, k={k}"
+            for (cu, layout, k), got in zip(cases, per_rank[rank][n]):
+                want = brute_force_meta(cu, _owners(cu[-1], n, layout), rank, k)
+                where = f"rank {rank}/{n}, cu_seqlens={cu}, layout={layout}, k={k}"
                 for key, value in want.items():
                     assert got[key] == value, f"{key}: got {got[key]}, want {value} ({where})"
                 assert got["cu_seqlens_cpu"] == want["cu_seqlens"] and got["global_cu_seqlens_cpu"] == cu, where
@@ -174,6 +222,18 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "group": _expect_error(lambda: build_cp_context(cu, group="world"), TypeError),
         "cu_cpu": _expect_error(lambda: build_cp_context(cu, cu_seqlens_cpu=cu[:2])),
         "cu_cpu_values": _expect_error(lambda: build_cp_context(cu, cu_seqlens_cpu=torch.tensor([0, 4, 10]))),
+        "layout": _expect_error(lambda: build_cp_context(cu, layout="ring")),
+        "zigzag_split": _expect_error(lambda: build_cp_context(cu, layout="zigzag", split=[4, 3, 3])),
+        "ranges_overlap": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 4)], [(3, 7)], [(7, 10)]])),
+        "ranges_gap": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 4)], [(5, 7)], [(7, 10)]])),
+        "ranges_short": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 4)], [(4, 9)], [(9, 9)]])),
+        "ranges_order": _expect_error(lambda: build_cp_context(cu, ranges=[[(5, 7), (0, 4)], [(4, 5)], [(7, 10)]])),
+        "ranges_empty_rank": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 4), (4, 10)], [], [(10, 10)]])),
+        "ranges_count": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 10)]])),
+        "ranges_type": _expect_error(lambda: build_cp_context(cu, ranges=[[(0, 4.0)], [(4, 7)], [(7, 10)]]), TypeError),
+        "ranges_and_layout": _expect_error(lambda: build_cp_context(cu, layout="zigzag", ranges=[[(0, 4)], [(4, 7)],
+                                                                                               [(7, 10)]])),
+        "zigzag_short": _expect_error(lambda: build_cp_context(torch.tensor([0, 2]), layout="zigzag")),
     }
     # arguments that differ between ranks, valid or not, must fail everywhere, not hang
     mismatched = {
@@ -182,6 +242,9 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "comm": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), comm="send_recv" if rank == 0 else "all_gather")),
         "split": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), split=[4, 4, 4] if rank else [2, 5, 5])),
         "conv": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), conv1d_kernel_size=rank + 2)),
+        "ranges": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), ranges=[[(0, 4)], [(4, 8)], [(8, 12)]]
+                                                         if rank else [[(0, 2)], [(2, 8)], [(8, 12)]])),
+        "layout": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]), layout="zigzag" if rank else "contiguous")),
         "one_rank_bad_device": _expect_error(lambda: build_cp_context(torch.tensor([0, 12]),
                                                                       device="nowhere" if rank == 1 else None)),
     }
@@ -223,8 +286,19 @@ EXPECTED_MESSAGES = {
         "ValueError: cu_seqlens_cpu must be a CPU copy of cu_seqlens ([3] torch.int64), got [2] torch.int64 on cpu",
     ),
     "cu_cpu_values": ("ValueError: cu_seqlens_cpu must hold the values of cu_seqlens [0, 3, 10], got [0, 4, 10]",),
+    "layout": ("ValueError: layout must be one of ['contiguous', 'zigzag'], got 'ring'",),
+    "zigzag_split": ("ValueError: split= applies to the contiguous layout only",),
+    "ranges_overlap": ("ValueError: ranges must cover [0, T=10) exactly once: token 3 is on two ranks",),
+    "ranges_gap": ("ValueError: ranges must cover [0, T=10) exactly once: tokens [4, 5) are on no rank",),
+    "ranges_short": ("ValueError: ranges must cover [0, T=10) exactly once: tokens [9, 10) are on no rank",),
+    "ranges_order": ("ValueError: ranges[0] must be ascending and disjoint",),
+    "ranges_empty_rank": ("ValueError: rank 1 holds no token under layout ranges",),
+    "ranges_count": ("ValueError: ranges must hold one list of (start, end) pairs per rank (3), got 1",),
+    "ranges_type": ("TypeError: ranges[0] must be a list of (start, end) int pairs",),
+    "ranges_and_layout": ("ValueError: ranges= is the layout itself",),
+    "zigzag_short": ("ValueError: rank 2 holds no token under layout zigzag (T=2, world size 3)",),
     "check_group": ("ValueError: group does not match cp_context",),
-    "check_local_global": ("q.shape[1] must be 3 (the tokens [4, 7)", "got 10"),
+    "check_local_global": ("q.shape[1] must be 3 (the tokens [4, 7) this rank holds", "got 10"),
     "check_local_batch": ("q must have batch size 1",),
     "shard": ("x.shape[1] must be T=10", "[1, 9, 2]"),
 }

@@ -73,7 +73,8 @@ def _cp_worker(rank: int, world_size: int, op: str, cases: list[dict]) -> list[d
     for case in cases:
         x, extra = _make_inputs(op, case["cu"], case["H"], case["K"], case["V"], case["seed"], case["options"])
         device = torch.device(case["options"].get("device", "cpu"))
-        ctx = build_cp_context(torch.tensor(case["cu"], device=device), split=case.get("split"), comm=case["comm"])
+        ctx = build_cp_context(torch.tensor(case["cu"], device=device), split=case.get("split"), comm=case["comm"],
+                               **case.get("layout", {}))
         local = {n: shard(t, ctx) for n, t in x.items()}
         o, ht, leaves, params = _run_op(op, local, extra, case["options"], None, ctx)
         loss = (o * shard(extra["do"], ctx)).sum()
@@ -81,7 +82,7 @@ def _cp_worker(rank: int, world_size: int, op: str, cases: list[dict]) -> list[d
             loss = loss + (ht * extra["dht"]).sum()
         loss.backward()
         results.append(dict(
-            o=o.detach(), ht=None if ht is None else ht.detach(),
+            o=o.detach(), ht=None if ht is None else ht.detach(), positions=ctx.token_positions,
             grads={n: t.grad for n, t in leaves.items()},
             param_grads={n: t.grad for n, t in params.items()},
         ))
@@ -110,16 +111,23 @@ def _single_rank(op: str, case: dict) -> dict[str, torch.Tensor]:
 
 def _pieces(op: str, case: dict, per_rank: list, i: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{name: (what the ranks give together for case i, the single-rank tensor)}: per-token
-    tensors concatenate over the ranks, the per-sequence and parameter ones sum."""
+    tensors go to their global positions (the layout's), the per-sequence and parameter ones sum."""
     single = _single_rank(op, case)
     together = {}
+
+    def placed(pick) -> torch.Tensor:
+        out = torch.full_like(single[name].cpu(), float("nan"))  # a token no rank gives stays NaN
+        for r in per_rank:
+            out[:, r[i]["positions"]] = pick(r[i]).cpu()
+        return out
+
     for name in single:
         if name == "final_state":
             together[name] = sum(r[i]["ht"].cpu() for r in per_rank)
         elif name == "o":
-            together[name] = torch.cat([r[i]["o"].cpu() for r in per_rank], 1)
+            together[name] = placed(lambda r: r["o"])
         elif name[1:] in per_rank[0][i]["grads"]:
-            together[name] = torch.cat([r[i]["grads"][name[1:]].cpu() for r in per_rank], 1)
+            together[name] = placed(lambda r: r["grads"][name[1:]])
         else:
             together[name] = sum(r[i]["param_grads"][name[1:]].cpu() for r in per_rank)
     return {name: (together[name], single[name]) for name in single}
@@ -160,6 +168,23 @@ def _cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]
         dict(base, cu=[0, 230], seed=2, split=[100, 3, 60, 67] if world_size == 4 else None),
         # a sequence ending exactly on a rank edge, and pieces shorter than a chunk
         dict(base, cu=[0, 70, 73, 160], seed=3, split={2: [70, 90], 3: [70, 5, 85], 4: [70, 2, 40, 48]}[world_size]),
+    ]
+
+
+def _layout_cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> list[dict]:
+    """Zigzag and explicit ranges: documents across the fold between the two halves, one
+    document over every part, T not divisible by 2W, parts shorter than a chunk, a rank holding
+    three fragments of one document."""
+    W = world_size
+    base = dict(H=H, K=K, V=V, comm=comm, options=options)
+    zig = {"layout": "zigzag"}
+    T = 64 * W + 37
+    chunks = [(a, min(a + 29, T)) for a in range(0, T, 29)]  # 29-token pieces dealt round the ranks
+    dealt = [[c for j, c in enumerate(chunks) if j % W == r] for r in range(W)]
+    return [
+        dict(base, cu=[0, 2 * W * 16 + 5], seed=5, layout=zig),  # one document over every part
+        dict(base, cu=[0, 30, 64 * W - 3, 64 * W + 40, 64 * W + 41], seed=6, layout=zig),  # across the fold
+        dict(base, cu=[0, 11, T], seed=7, layout={"ranges": dealt}),  # several fragments per rank
     ]
 
 
@@ -374,16 +399,37 @@ def test_kda_cp_options(options):
     _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])
 
 
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
+@pytest.mark.parametrize("comm", ["all_gather", pytest.param("send_recv", marks=pytest.mark.slow)])
+def test_gla_cp_layouts_match_single_rank(world_size, comm):
+    _check_cases("gla", world_size, _layout_cases(world_size, comm, h0=True, ht=True))
+
+
+@pytest.mark.interpreter
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
+def test_kda_cp_layouts_match_single_rank(world_size, comm):
+    options = dict(h0=True, ht=True)
+    if world_size == 3:  # GVA, the in-kernel gate, l2norm and V-first states under zigzag too
+        options.update(gva=2, gate_in_kernel=True, l2norm=True, state_v_first=True)
+    _check_cases("kda", world_size, _layout_cases(world_size, comm, **options))
+
+
 @pytest.mark.multirank
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["gla", "kda"])
 @pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
-def test_cp_on_one_gpu_bf16(op, comm):
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_cp_on_one_gpu_bf16(op, comm, layout):
     """Several gloo processes sharing the one GPU (NCCL needs a GPU per rank): CUDA tensors
     cross ranks through gloo's all_gather or CPU-staged send/recv; bf16 at real head sizes."""
     options = dict(device="cuda", dtype="bfloat16", h0=True, ht=True, gate_scale=0.1)
     if op == "kda":
         options.update(gva=2, gate_in_kernel=True, l2norm=True)
-    cases = [dict(H=4, K=128, V=128, comm=comm, options=options, cu=cu, seed=s)
+    cases = [dict(H=4, K=128, V=128, comm=comm, options=options, cu=cu, seed=s, layout={"layout": layout})
              for s, cu in enumerate([[0, 1000, 5000, 8191], [0, 8192]])]
     _check_cases_against_fp32(op, 4, cases, tol=2e-2)
