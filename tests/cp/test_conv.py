@@ -51,28 +51,37 @@ def _conv_rank(rank, world_size, cases):
     from cp_linattn.cp.context import build_cp_context, shard
 
     results = []
-    for cu_list, split in cases:
+    for cu_list, layout in cases:
         cu = torch.tensor(cu_list, dtype=torch.int64)
-        ctx = build_cp_context(cu, split=split, conv1d_kernel_size=W)
+        layout = {"split": layout} if layout is None or isinstance(layout[0], int) else (
+            {"layout": layout} if isinstance(layout, str) else {"ranges": layout})
+        ctx = build_cp_context(cu, conv1d_kernel_size=W, **layout)
         x, probe = _inputs(cu_list[-1])
         x_local = shard(x, ctx).clone().requires_grad_()
         conv = _conv()
         out = conv(x_local, cp_context=ctx)
         (out * shard(probe, ctx)).sum().backward()
-        results.append((out.detach(), x_local.grad, conv.weight.grad))
+        results.append((out.detach(), x_local.grad, conv.weight.grad, ctx.token_positions))
     return results
 
 
-# world size -> [(cu_seqlens, split)], split None: the context's default
+# world size -> [(cu_seqlens, layout)]: a split (None: the context's default), "zigzag", or ranges
 CASES = {
-    2: [([0, 9, 30, 41], None)],
+    2: [
+        ([0, 9, 30, 41], None),
+        ([0, 9, 30, 41], "zigzag"),                     # a sequence across the fold (parts 1 and 2 on rank 1)
+        ([0, 7], "zigzag"),                             # parts of 2 and 1 tokens, shorter than W-1
+        ([0, 20], [[(0, 2), (3, 4), (9, 20)], [(2, 3), (4, 9)]]),  # halo through four one- and two-token parts
+    ],
     3: [
         ([0, 40], None),                                # one sequence over every rank
         ([0, 3, 15, 16, 33], [14, 2, 17]),              # rank 1 shorter than W-1 inside a sequence
+        ([0, 40], "zigzag"),                            # one sequence over every part
     ],
     4: [
         ([0, 5, 12], [4, 1, 1, 6]),                     # halo from three earlier ranks
         ([0, 2, 2, 8, 8, 23], [6, 2, 5, 10]),           # empty sequences, boundaries at rank edges
+        ([0, 2, 2, 8, 8, 23], "zigzag"),
     ],
 }
 
@@ -88,6 +97,8 @@ def test_cp_equals_unsharded(world_size):
         out = conv(x, torch.tensor(cu_list, dtype=torch.int64))
         (out * probe).sum().backward()
         got = [r[i] for r in ranks]
-        torch.testing.assert_close(torch.cat([g[0] for g in got], 1), out.detach(), rtol=0, atol=1e-12)
-        torch.testing.assert_close(torch.cat([g[1] for g in got], 1), x.grad, rtol=0, atol=1e-12)
+        for g in got:  # each rank's tokens, wherever the layout puts them
+            torch.testing.assert_close(g[0], out.detach()[:, g[3]], rtol=0, atol=1e-12)
+            torch.testing.assert_close(g[1], x.grad[:, g[3]], rtol=0, atol=1e-12)
+        assert sorted(torch.cat([g[3] for g in got]).tolist()) == list(range(cu_list[-1]))
         torch.testing.assert_close(sum(g[2] for g in got), conv.weight.grad, rtol=0, atol=1e-12)
