@@ -1,7 +1,9 @@
 """Cost of context parallelism (CP) for chunk_gla and chunk_kda, CP degree D emulated on one GPU.
 
-What it measures, per op and per D (bf16, B=1, H=16, K=V=128, one sequence of T=32768
-tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T/D tokens):
+What it measures, per op, layout and D (bf16, B=1, H=16, K=V=128, one sequence of T=32768
+tokens spanning all D ranks, i.e. global cu_seqlens = [0, T]; every rank holds T/D tokens:
+one slice under the contiguous layout, two parts of T/2D under zigzag, each pre-process
+function then running once per part):
 
 - local: forward and forward+backward of the rank's slice as a plain single-rank call
   (`cu_seqlens=[0, T/D]`, no cp_context): the kernels every rank runs anyway.
@@ -314,35 +316,33 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def captured_step(spec: OpSpec, x: Tensors, do: torch.Tensor,
-                  ctx: FLACPContext) -> tuple[torch.Tensor, dict[str, mock._Call]]:
+                  ctx: FLACPContext) -> tuple[torch.Tensor, dict[str, list[mock._Call]]]:
     """Run one CP forward+backward, recording the arguments of its pre-process calls.
 
-    Returns (o, {hook: call}) for the hooks called (a rank takes one of KDA's alternatives).
-    Raises if a hook was called more than once, or no hook of a direction was: then the op's
-    CP path changed and the replay would no longer time what a CP step runs.
+    Returns (o, {hook: [calls]}) for the hooks called (a rank takes one of KDA's alternatives;
+    a rank of a zigzag layout calls a hook once per part). Raises if no hook of a direction
+    was called: then the op's CP path changed and the replay would no longer time what a CP
+    step runs.
     """
     with ExitStack() as stack:
         mocks = {h: stack.enter_context(mock.patch.object(mod, attr, wraps=getattr(mod, attr)))
                  for h, (mod, attr) in spec.hooks().items()}
         o = spec.call(x, cp_context=ctx)
         o.backward(do)
-    for h, m in mocks.items():
-        if m.call_count > 1:
-            raise RuntimeError(f"{spec.hooks()[h][1]} was called {m.call_count} times in one CP step, expected once")
-    calls = {h: m.call_args for h, m in mocks.items() if m.call_count}
+    calls = {h: m.call_args_list for h, m in mocks.items() if m.call_count}
     for direction in ("fwd:", "bwd:"):
         if not any(h.startswith(direction) for h in calls):
             raise RuntimeError(f"none of the {direction[:-1]} pre-process calls of {sorted(spec.hooks())} ran")
     return o.detach(), calls
 
 
-def pre_process_fns(spec: OpSpec, calls: dict[str, mock._Call]) -> tuple[Callable[[], None], Callable[[], None]]:
+def pre_process_fns(spec: OpSpec, calls: dict[str, list[mock._Call]]) -> tuple[Callable[[], None], Callable[[], None]]:
     """Replays of the captured forward and backward pre-process calls with their captured
     arguments (grad mode off, as inside the autograd Function). GLA's updates its states in
     place: a replay adds the incoming state once more, which changes values, not the work."""
     def replay(prefix: str) -> Callable[[], None]:
-        todo = [(getattr(mod, attr), calls[h]) for h, (mod, attr) in spec.hooks().items()
-                if h.startswith(prefix) and h in calls]
+        todo = [(getattr(mod, attr), call) for h, (mod, attr) in spec.hooks().items()
+                if h.startswith(prefix) and h in calls for call in calls[h]]
 
         def run() -> None:
             with torch.no_grad():
@@ -370,7 +370,7 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
     guard = GuardClock()
     with mock.patch.object(cp_guard, "check_on_every_rank", guard):
         cp_fwd_bwd_ms = timer(cp_fwd_bwd)
-    row = dict(op=name, D=ctx.world_size, rank=ctx.rank, tokens=ctx.local_len,
+    row = dict(op=name, layout=ctx.layout, D=ctx.world_size, rank=ctx.rank, tokens=ctx.local_len,
                local_fwd_ms=timer(_fwd(spec, x, cu_seqlens=cu_local)), local_fwd_bwd_ms=timer(local_fwd_bwd),
                pre_fwd_ms=timer(pre_fwd), pre_bwd_ms=timer(pre_bwd),
                cp_fwd_ms=timer(_fwd(spec, x, cp_context=ctx)), cp_fwd_bwd_ms=cp_fwd_bwd_ms,
@@ -391,25 +391,26 @@ def bench_rank(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tens
 
 
 def bench_degree(name: str, spec: OpSpec, x_global: Tensors, do_global: torch.Tensor, ref: Tensors, D: int,
-                 timer: Timer) -> list[dict]:
+                 layout: str, timer: Timer) -> list[dict]:
     cu_global = torch.tensor([0, do_global.shape[1]], dtype=torch.int64, device=do_global.device)
     rows = []
     with mock.patch.object(cp_comm, "_all_gather_flat", EmulatedAllGather()):
         # Pass 1: every rank sends its messages once (and the kernels compile).
         for r in range(D):
             with emulated_rank(r, D):
-                ctx = build_cp_context(cu_global)
+                ctx = build_cp_context(cu_global, layout=layout)
                 spec.call(_local_leaves(x_global, ctx), cp_context=ctx).backward(shard(do_global, ctx))
         # Pass 2: every gather now returns all ranks' true messages.
         for r in range(D):
             with emulated_rank(r, D):
-                rows.append(bench_rank(name, spec, x_global, do_global, ref, build_cp_context(cu_global), timer))
+                rows.append(bench_rank(name, spec, x_global, do_global, ref, build_cp_context(cu_global, layout=layout),
+                                       timer))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def bench_op(name: str, T: int, H: int, K: int, V: int, degrees: list[int], device: torch.device,
-             dtype: torch.dtype, timer: Timer) -> list[dict]:
+def bench_op(name: str, T: int, H: int, K: int, V: int, degrees: list[int], layouts: list[str],
+             device: torch.device, dtype: torch.dtype, timer: Timer) -> list[dict]:
     spec = OPS[name]
     torch.manual_seed(0)
     x_global = {n: t.requires_grad_() for n, t in spec.inputs(T, H, K, V, device, dtype).items()}
@@ -419,10 +420,11 @@ def bench_op(name: str, T: int, H: int, K: int, V: int, degrees: list[int], devi
     o.backward(do_global)
     ref = {"o": o.detach(), **{n: t.grad for n, t in x_global.items()}}
     rows = []
-    for D in degrees:
-        rows += bench_degree(name, spec, x_global, do_global, ref, D, timer)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    for layout in layouts:
+        for D in degrees:
+            rows += bench_degree(name, spec, x_global, do_global, ref, D, layout, timer)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -437,21 +439,21 @@ def cp_cost_pct(row: dict) -> float:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (op, D): the rank CP costs most (`cp_cost_pct`)."""
+    """One line per (op, layout, D): the rank CP costs most (`cp_cost_pct`)."""
     def ms(x: float | None) -> str:
         return "" if x is None else f"{x:.3f}"
 
     def pct(x: float | None, sign: str = "") -> str:
         return "" if x is None else f"{x:{sign}.1f}%"
 
-    lines = ["| op | D | tokens/rank | worst rank | kernels: local f+b ms | pre f+b ms | pre / local | "
+    lines = ["| op | layout | D | tokens/rank | worst rank | kernels: local f+b ms | pre f+b ms | pre / local | "
              f"<= {TARGET_PCT:.0f}% | CP excess | wall: local f+b ms | pre fwd ms | pre bwd ms | pre / local | "
              "CP f+b ms | CP excess | max rel err |",
-             "|" + "---|" * 16]
-    for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
-        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=cp_cost_pct)
+             "|" + "---|" * 17]
+    for op, layout, D in dict.fromkeys((r["op"], r["layout"], r["D"]) for r in rows):
+        w = max((r for r in rows if (r["op"], r["layout"], r["D"]) == (op, layout, D)), key=cp_cost_pct)
         pre_k = None if w.get("pre_fwd_kernel_ms") is None else w["pre_fwd_kernel_ms"] + w["pre_bwd_kernel_ms"]
-        lines.append(f"| {op} | {D} | {w['tokens']} | {w['rank']} | {ms(w.get('local_fwd_bwd_kernel_ms'))} | "
+        lines.append(f"| {op} | {layout} | {D} | {w['tokens']} | {w['rank']} | {ms(w.get('local_fwd_bwd_kernel_ms'))} | "
                      f"{ms(pre_k)} | {pct(w.get('overhead_kernel_pct'))} | {'yes' if w['within_target'] else 'no'} | "
                      f"{pct(w.get('cp_excess_kernel_pct'), '+')} | {w['local_fwd_bwd_ms']:.3f} | "
                      f"{w['pre_fwd_ms']:.3f} | {w['pre_bwd_ms']:.3f} | {pct(w['overhead_pct'])} | "
@@ -463,16 +465,16 @@ def worst_rank_kernels(rows: list[dict], top: int = 6) -> str:
     """The longest pre-process kernels of each (op, D)'s worst rank, and the kernels whose
     time differs most between its CP call and its local call, as markdown lines."""
     lines = []
-    for op, D in dict.fromkeys((r["op"], r["D"]) for r in rows):
-        w = max((r for r in rows if (r["op"], r["D"]) == (op, D)), key=cp_cost_pct)
+    for op, layout, D in dict.fromkeys((r["op"], r["layout"], r["D"]) for r in rows):
+        w = max((r for r in rows if (r["op"], r["layout"], r["D"]) == (op, layout, D)), key=cp_cost_pct)
         for d in ("fwd", "bwd"):
             kernels = w.get(f"pre_{d}_kernels")
             if kernels:
                 listed = ", ".join(f"{name[:48]} {ms:.3f} ms x{n}" for name, ms, n in kernels[:top])
-                lines.append(f"- {op} D={D} rank {w['rank']} pre {d}: {listed}")
+                lines.append(f"- {op} {layout} D={D} rank {w['rank']} pre {d}: {listed}")
         if w.get("cp_excess_kernels"):
             listed = ", ".join(f"{name[:48]} {ms:+.3f} ms {n:+d}" for name, ms, n in w["cp_excess_kernels"][:top])
-            lines.append(f"- {op} D={D} rank {w['rank']} CP call minus local call: {listed}")
+            lines.append(f"- {op} {layout} D={D} rank {w['rank']} CP call minus local call: {listed}")
     return "\n".join(lines) + "\n"
 
 
@@ -484,6 +486,8 @@ def main() -> None:
     p.add_argument("--V", type=int, help="value head dim (default 128; --smoke 32)")
     p.add_argument("--degrees", type=int, nargs="+", help="CP degrees D (default 2 4 8; --smoke 2 4)")
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    p.add_argument("--layouts", nargs="+", choices=["contiguous", "zigzag"], default=["contiguous", "zigzag"],
+                   help="CP layouts (default both)")
     p.add_argument("--json", type=Path, help="write the meta data and every rank's figures here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script (CPU: TRITON_INTERPRET=1)")
     args = p.parse_args()
@@ -502,7 +506,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M"),
                 command="python " + shlex.join(sys.argv), dtype=str(dtype).replace("torch.", ""),
-                T=T, H=H, K=K, V=V, degrees=degrees,
+                T=T, H=H, K=K, V=V, degrees=degrees, layouts=args.layouts,
                 timer="triton.testing.do_bench median" if cuda else f"wall clock, median of {CPU_REPS}",
                 note="communication not timed (one GPU has none); the emulated all-gather (device copies of "
                      "the D fp32 messages) is inside the pre-process figures")
@@ -514,7 +518,7 @@ def main() -> None:
     timer = make_timer()
     rows = []
     for name in args.ops:
-        rows += bench_op(name, T, H, K, V, degrees, device, dtype, timer)
+        rows += bench_op(name, T, H, K, V, degrees, args.layouts, device, dtype, timer)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
