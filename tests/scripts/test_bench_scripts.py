@@ -115,7 +115,7 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     bench_cp = load_benchmark("bench_cp", monkeypatch)
 
     def row(op, r, f, b, excess_pct):
-        return dict(op=op, D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b, local_fwd_bwd_kernel_ms=1.0,
+        return dict(op=op, layout="zigzag", D=2, rank=r, pre_fwd_kernel_ms=f, pre_bwd_kernel_ms=b, local_fwd_bwd_kernel_ms=1.0,
                     overhead_kernel_pct=100 * (f + b), cp_excess_kernel_pct=excess_pct,
                     pre_fwd_kernels=[("fwd_walk", f, 1)] if f else [],
                     pre_bwd_kernels=[("dhu_walk", b, 1), ("fold", 0.01, 3)])
@@ -129,10 +129,10 @@ def test_bench_cp_lists_the_worst_ranks_kernels(monkeypatch):
     assert rows[2]["cp_excess_kernels"] == [("dhu_walk", 0.5, 1), ("cumsum", -0.1, -1),
                                             ("state_pass", pytest.approx(0.05), 0), ("output", 0.0, 0)]
     text = bench_cp.worst_rank_kernels(rows)
-    assert text == ("- kda D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n"
-                    "- gla D=2 rank 0 pre fwd: fwd_walk 0.050 ms x1\n"
-                    "- gla D=2 rank 0 pre bwd: dhu_walk 0.000 ms x1, fold 0.010 ms x3\n"
-                    "- gla D=2 rank 0 CP call minus local call: dhu_walk +0.500 ms +1, cumsum -0.100 ms -1, "
+    assert text == ("- kda zigzag D=2 rank 1 pre bwd: dhu_walk 0.500 ms x1, fold 0.010 ms x3\n"
+                    "- gla zigzag D=2 rank 0 pre fwd: fwd_walk 0.050 ms x1\n"
+                    "- gla zigzag D=2 rank 0 pre bwd: dhu_walk 0.000 ms x1, fold 0.010 ms x3\n"
+                    "- gla zigzag D=2 rank 0 CP call minus local call: dhu_walk +0.500 ms +1, cumsum -0.100 ms -1, "
                     "state_pass +0.050 ms +0, output +0.000 ms +0\n"), text
 
 
@@ -156,16 +156,17 @@ def test_launch_sequence_shows_both_launches_of_a_split_kernel():
 @pytest.mark.slow
 def test_bench_cp_smoke_checks_every_rank(monkeypatch, tmp_path):
     """bench_cp.py end to end at tiny sizes, D=3 (a rank that receives no state, one that
-    both receives and sends, one that sends no state): it captures each rank's pre-process
-    calls (a KDA rank takes one of two alternatives per direction) and its output and
-    gradients match the single-rank run."""
+    both receives and sends, one that sends no state; under zigzag, ranks of two parts): it
+    captures each rank's pre-process calls (a KDA rank takes one of two alternatives per
+    direction, once per part) and its output and gradients match the single-rank run."""
     bench_cp = load_benchmark("bench_cp", monkeypatch)
     out = tmp_path / "cp.json"
     monkeypatch.setattr(sys, "argv", ["bench_cp.py", "--smoke", "--ops", "kda", "gla", "--degrees", "3", "--T", "150",
                                       "--H", "1", "--K", "16", "--V", "16", "--json", str(out)])
     bench_cp.main()
     rows = json.loads(out.read_text())["rows"]
-    assert sorted((r["op"], r["rank"]) for r in rows) == [(op, r) for op in ("gla", "kda") for r in range(3)]
+    assert sorted((r["op"], r["layout"], r["rank"]) for r in rows) == [
+        (op, layout, r) for op in ("gla", "kda") for layout in ("contiguous", "zigzag") for r in range(3)]
     assert all(r["max_rel_err"] < 1e-5 for r in rows), [(r["op"], r["rank"], r["max_rel_err"]) for r in rows]
 
 
