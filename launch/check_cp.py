@@ -1,8 +1,9 @@
 """Check that CP changes nothing: the same model and batch with CP over all ranks and without.
 
     torchrun --nproc_per_node=4 -m launch.check_cp model=gla
+    torchrun --nproc_per_node=2 -m launch.check_cp model=hybrid cp.layout=zigzag
 
-Configured like launch.train (cp.degree is set to the world size). Prints the largest
+Configured like launch.train (cp.degree is set to the world size; cp.layout applies). Prints the largest
 differences of the loss, the logits and every parameter gradient; exits with status 1 when
 one exceeds check.tol (relative to the largest magnitude of the reference), else 0.
 """
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             for name, d in diffs.items():
                 print(f"{name:40s} max rel diff {d:.3e}{'   <-- above tol' if d > tol else ''}")
-            print(f"CP over {dist.get_world_size()} ranks vs no CP: worst {worst} {diffs[worst]:.3e} "
+            print(f"CP over {dist.get_world_size()} ranks vs no CP ({cfg.cp.get('layout', 'contiguous')} layout): "
+                  f"worst {worst} {diffs[worst]:.3e} "
                   f"(tol {tol:.0e}): {'FAIL' if diffs[worst] > tol else 'OK'}", flush=True)
         return int(diffs[worst] > tol)
     finally:

@@ -1,10 +1,12 @@
-"""Train a small GLA/KDA language model with data x context parallelism.
+"""Train a small GLA/KDA (or hybrid) language model with data x context parallelism.
 
     torchrun --nproc_per_node=2 -m launch.train                      # tiny KDA, cp.degree=2, MQAR
     torchrun --nproc_per_node=4 -m launch.train cp.degree=2 model=gla data=text data.path=README.md
+    torchrun --nproc_per_node=2 -m launch.train model=hybrid cp.layout=zigzag
 
 The world is a ("dp", "cp") device mesh. The ranks of a CP group build the same packed
-batch and each keeps its contiguous shard of tokens (`build_cp_context` + `shard`); DP
+batch and each keeps its shard of tokens in the layout cp.layout (`build_cp_context` +
+`shard`: one contiguous slice, or zigzag's two parts); DP
 groups get different batches. Each rank's loss is its token-loss sum divided by the target
 count of ALL batches in the world, so an all-reduce SUM of the gradients over the whole
 world gives the gradient of the global mean loss, whatever the CP degree.
@@ -36,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
-from cp_linattn.cp.context import FLACPContext, build_cp_context, shard  # noqa: E402
+from cp_linattn.cp.context import LAYOUTS, FLACPContext, build_cp_context, shard  # noqa: E402
 from cp_linattn.models import LinearAttentionLM, build_model  # noqa: E402
 from launch.data import IGNORE, Batch, build_data  # noqa: E402
 
@@ -60,6 +62,7 @@ class Env:
     dp_rank: int
     rank: int
     amp_dtype: torch.dtype | None
+    cp_layout: str = "contiguous"
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -88,15 +91,25 @@ def init_distributed(cfg: DictConfig) -> tuple[torch.device, torch.dtype | None]
     return device, torch.bfloat16 if precision == "bf16" else None
 
 
+def cp_layout(cfg: DictConfig) -> str:
+    """cfg.cp.layout (contiguous when absent), checked against the named layouts."""
+    layout = cfg.cp.get("layout", "contiguous")
+    if layout not in LAYOUTS:
+        raise ValueError(f"cp.layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
 def setup(cfg: DictConfig) -> Env:
     """Join (or reuse) the default process group and build the ("dp", "cp") mesh."""
+    layout = cp_layout(cfg)
     device, amp_dtype = init_distributed(cfg)
     world = dist.get_world_size()
     degree = cfg.cp.degree
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or world % degree:
         raise ValueError(f"cp.degree must be a positive int dividing the world size {world}, got {degree!r}")
     mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=("dp", "cp"))
-    return Env(device, mesh, mesh["cp"].get_group(), degree, mesh["dp"].get_local_rank(), dist.get_rank(), amp_dtype)
+    return Env(device, mesh, mesh["cp"].get_group(), degree, mesh["dp"].get_local_rank(), dist.get_rank(), amp_dtype,
+               layout)
 
 
 def make_model(cfg: DictConfig, env: Env) -> LinearAttentionLM:
@@ -106,10 +119,10 @@ def make_model(cfg: DictConfig, env: Env) -> LinearAttentionLM:
 
 
 def local_batch(batch: Batch, env: Env, comm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, FLACPContext | None]:
-    """(input_ids, labels, cu_seqlens, cp_context) of this rank: its shard under CP."""
+    """(input_ids, labels, cu_seqlens, cp_context) of this rank: its shard (layout env.cp_layout) under CP."""
     if env.cp_degree == 1:
         return batch.input_ids.to(env.device), batch.labels.to(env.device), batch.cu_seqlens.to(env.device), None
-    ctx = build_cp_context(batch.cu_seqlens, env.cp_group, comm=comm, device=env.device)
+    ctx = build_cp_context(batch.cu_seqlens, env.cp_group, layout=env.cp_layout, comm=comm, device=env.device)
     return shard(batch.input_ids, ctx).to(env.device), shard(batch.labels, ctx).to(env.device), None, ctx
 
 
@@ -214,7 +227,7 @@ def train(cfg: DictConfig) -> list[dict]:
         old = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= start))
         print(f"{cfg.model.type} model, {sum(p.numel() for p in model.parameters())} parameters; "
-              f"world {dist.get_world_size()} = dp {env.mesh['dp'].size()} x cp {env.cp_degree}; "
+              f"world {dist.get_world_size()} = dp {env.mesh['dp'].size()} x cp {env.cp_degree} ({env.cp_layout}); "
               f"{'resuming from ' + str(latest) if latest else 'from scratch'}", flush=True)
     records = []
     tokens_per_step = cfg.data.tokens_per_batch * env.mesh["dp"].size()

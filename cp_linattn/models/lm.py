@@ -1,4 +1,5 @@
-"""A small language model of linear-attention blocks (GLA or KDA), CP aware."""
+"""A small language model of linear-attention blocks (GLA or KDA), or a hybrid of them with
+softmax-attention blocks (Kimi Linear's 3:1 pattern), CP aware."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,38 +9,69 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cp_linattn.layers.attention import SoftmaxAttention
 from cp_linattn.layers.gla import GatedLinearAttention
 from cp_linattn.layers.kda import KimiDeltaAttention
 
 if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
 
-MODEL_TYPES = ("gla", "kda")
+MODEL_TYPES = ("gla", "kda", "hybrid")
+LINEAR_TYPES = ("gla", "kda")
 
 
 @dataclass
 class LMConfig:
-    type: str = "kda"
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 2
-    head_k_dim: int = 32
-    head_v_dim: int = 32
-    mlp_ratio: float = 4.0
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    """The model's shape; `build_model` accepts it or a mapping of its fields (model.* in the
+    hydra configs). Fields marked "hybrid" are read only by `type: hybrid`."""
+
+    type: str = "kda"  # "gla" | "kda": every block is that linear attention; "hybrid": see `linear`, `attn_every`
+    vocab_size: int = 256  # token ids in [0, vocab_size)
+    d_model: int = 64  # residual stream width
+    n_layers: int = 2  # blocks (mixer + MLP)
+    n_heads: int = 2  # heads of every mixer (query heads of the softmax layers)
+    head_k_dim: int = 32  # query/key head dim (the softmax layers' head_dim too)
+    head_v_dim: int = 32  # value head dim
+    mlp_ratio: float = 4.0  # SwiGLU hidden width = 2/3 * mlp_ratio * d_model, rounded to 8
+    tie_embeddings: bool = True  # the output head shares the embedding matrix
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of every Linear and Embedding weight
+    linear: str = "kda"  # hybrid: the linear-attention layer, "kda" | "gla"
+    attn_every: int = 4  # hybrid: block i is softmax attention iff (i + 1) % attn_every == 0 (4: 3 linear, 1 softmax)
+    n_kv_heads: int | None = None  # hybrid: key/value heads of the softmax layers (GQA), divides n_heads; None: n_heads
+    rope_theta: float | None = 10000.0  # hybrid: RoPE base of the softmax layers, positions per document; None: no RoPE
 
     def __post_init__(self) -> None:
         if self.type not in MODEL_TYPES:
             raise ValueError(f"model.type must be one of {list(MODEL_TYPES)}, got {self.type!r}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_k_dim", "head_v_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_k_dim", "head_v_dim", "attn_every"):
+            _check_positive_int(f"model.{name}", getattr(self, name))
         if not self.mlp_ratio > 0:
             raise ValueError(f"model.mlp_ratio must be positive, got {self.mlp_ratio!r}")
+        if self.linear not in LINEAR_TYPES:
+            raise ValueError(f"model.linear must be one of {list(LINEAR_TYPES)}, got {self.linear!r}")
+        if self.n_kv_heads is not None:
+            _check_positive_int("model.n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        theta = self.rope_theta
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
+            raise ValueError(f"model.rope_theta must be a positive number or null (no RoPE), got {self.rope_theta!r}")
+        if self.type == "hybrid" and self.attn_every > self.n_layers:
+            raise ValueError(f"model.attn_every={self.attn_every} exceeds model.n_layers={self.n_layers}: "
+                             "the hybrid model would have no softmax-attention block")
+
+    @property
+    def mixers(self) -> list[str]:
+        """The mixer of each block: "gla", "kda" or "softmax"."""
+        if self.type != "hybrid":
+            return [self.type] * self.n_layers
+        return ["softmax" if (i + 1) % self.attn_every == 0 else self.linear for i in range(self.n_layers)]
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class SwiGLU(nn.Module):
@@ -53,15 +85,23 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: linear attention, then a SwiGLU MLP."""
+def make_mixer(cfg: LMConfig, kind: str) -> nn.Module:
+    """The token mixer of a block: "gla", "kda" or "softmax" (`LMConfig.mixers`)."""
+    if kind == "softmax":
+        return SoftmaxAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_k_dim,
+                                head_v_dim=cfg.head_v_dim, rope_theta=cfg.rope_theta)
+    dims = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, head_k_dim=cfg.head_k_dim,
+                head_v_dim=cfg.head_v_dim, norm_eps=cfg.norm_eps)
+    return GatedLinearAttention(**dims) if kind == "gla" else KimiDeltaAttention(**dims)
 
-    def __init__(self, cfg: LMConfig) -> None:
+
+class Block(nn.Module):
+    """Pre-norm residual block: a token mixer (linear or softmax attention), then a SwiGLU MLP."""
+
+    def __init__(self, cfg: LMConfig, mixer: str) -> None:
         super().__init__()
-        dims = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, head_k_dim=cfg.head_k_dim,
-                    head_v_dim=cfg.head_v_dim, norm_eps=cfg.norm_eps)
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = GatedLinearAttention(**dims) if cfg.type == "gla" else KimiDeltaAttention(**dims)
+        self.attn = make_mixer(cfg, mixer)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         # 2/3 of mlp_ratio * d_model keeps the parameter count of a plain MLP, rounded to 8
         hidden = 8 * max(1, round(cfg.mlp_ratio * cfg.d_model * 2 / 3 / 8))
@@ -75,13 +115,14 @@ class Block(nn.Module):
 
 
 class LinearAttentionLM(nn.Module):
-    """Embedding, `n_layers` blocks, final RMSNorm and a (tied or untied) output head."""
+    """Embedding, `n_layers` blocks (mixers by `LMConfig.mixers`), final RMSNorm and a (tied or
+    untied) output head. Every block reads the same `cp_context`."""
 
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, mixer) for mixer in cfg.mixers)
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         for module in self.modules():
