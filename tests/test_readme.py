@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.mark.interpreter
 def test_api_example_runs(tmp_path):
     api = README.read_text().split("## API", 1)[1]
-    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+    code = "\n".join(re.findall(r"```python\n(.*?)```", api.split("## Layout", 1)[0], re.S))  # every block, in order
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         scope: dict = {}
@@ -23,6 +23,7 @@ def test_api_example_runs(tmp_path):
     o_gla, _ = scope["chunk_gla"](*(scope[n] for n in ("q", "k", "v", "g")), cu_seqlens=scope["cu_seqlens"])
     # one rank owns the whole batch, so its CP output is the single-rank output
     assert torch.allclose(scope["o_local"], o_gla, atol=1e-5)
+    assert scope["x"].shape == (1, 20, 64) and scope["ctx"].layout == "zigzag"  # the hybrid example ran
 
 
 def test_layout_and_tool_commands_name_existing_scripts():
