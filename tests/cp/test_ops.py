@@ -188,6 +188,9 @@ def _layout_cases(world_size: int, comm: str, H=1, K=32, V=32, **options) -> lis
     ]
 
 
+CASE_SETS = {"contiguous": _cases, "zigzag-and-ranges": _layout_cases}
+
+
 # The passes a CP rank may add to its local kernels (the names cp/gla.py and cp/kda.py call): GLA's correction of
 # a middle rank's stored states, KDA's walks of a middle rank's fragment.
 PRE_PROCESS_PASSES = {"gla": ("add_decayed_state",), "kda": ("chunk_delta_rule_fwd_h", "chunk_delta_rule_bwd_dhu")}
@@ -310,8 +313,9 @@ def test_only_middle_ranks_pay_a_pre_process_pass(op):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
 @pytest.mark.parametrize("comm", ["all_gather", pytest.param("send_recv", marks=pytest.mark.slow)])
-def test_gla_cp_matches_single_rank(world_size, comm):
-    _check_cases("gla", world_size, _cases(world_size, comm, h0=True, ht=True))
+@pytest.mark.parametrize("layouts", ["contiguous", "zigzag-and-ranges"])
+def test_gla_cp_matches_single_rank(world_size, comm, layouts):
+    _check_cases("gla", world_size, CASE_SETS[layouts](world_size, comm, h0=True, ht=True))
 
 
 @pytest.mark.interpreter
@@ -377,8 +381,12 @@ def test_bad_cp_calls_raise_on_every_rank(op):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
-def test_kda_cp_matches_single_rank(world_size, comm):
-    _check_cases("kda", world_size, _cases(world_size, comm, h0=True, ht=True))
+@pytest.mark.parametrize("layouts", ["contiguous", "zigzag-and-ranges"])
+def test_kda_cp_matches_single_rank(world_size, comm, layouts):
+    options = dict(h0=True, ht=True)
+    if layouts != "contiguous" and world_size == 3:  # GVA, the in-kernel gate, l2norm, V-first states too
+        options.update(gva=2, gate_in_kernel=True, l2norm=True, state_v_first=True)
+    _check_cases("kda", world_size, CASE_SETS[layouts](world_size, comm, **options))
 
 
 @pytest.mark.interpreter
@@ -397,26 +405,6 @@ def test_kda_cp_matches_single_rank(world_size, comm):
 )
 def test_kda_cp_options(options):
     _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])
-
-
-@pytest.mark.interpreter
-@pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
-@pytest.mark.parametrize("comm", ["all_gather", pytest.param("send_recv", marks=pytest.mark.slow)])
-def test_gla_cp_layouts_match_single_rank(world_size, comm):
-    _check_cases("gla", world_size, _layout_cases(world_size, comm, h0=True, ht=True))
-
-
-@pytest.mark.interpreter
-@pytest.mark.multirank
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("comm", ["all_gather", "send_recv"])
-def test_kda_cp_layouts_match_single_rank(world_size, comm):
-    options = dict(h0=True, ht=True)
-    if world_size == 3:  # GVA, the in-kernel gate, l2norm and V-first states under zigzag too
-        options.update(gva=2, gate_in_kernel=True, l2norm=True, state_v_first=True)
-    _check_cases("kda", world_size, _layout_cases(world_size, comm, **options))
 
 
 @pytest.mark.multirank
