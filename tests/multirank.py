@@ -96,3 +96,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> l
     if missing:
         pytest.fail(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hung collective?)", pytrace=False)
     return [outputs[r] for r in range(world_size)]
+
+
+def torchrun(module: str, nproc: int, *args: str, timeout: float = 600.0) -> str:
+    """Run `python -m torch.distributed.run --nproc_per_node=nproc -m module args...` from the
+    repository root; assert it exits 0 and return its stdout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

@@ -1,9 +1,6 @@
 """The hybrid model through the entry points in the zigzag layout: check_cp under torchrun at
 N=2 and N=4, training with CP equal to training without it, resuming exactly; cp.layout errors."""
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,7 @@ from omegaconf import OmegaConf
 
 from cp_linattn.models import LMConfig
 from launch.train import load_config, setup
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 # two blocks: a linear one, then softmax attention with 2 query heads sharing 1 key/value head
@@ -37,13 +34,9 @@ def test_hybrid_config():
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,linear", [(2, "kda"), (4, "gla")])
 def test_check_cp_torchrun(nproc, linear):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "launch.check_cp",
-           *TINY, f"model.linear={linear}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"CP over {nproc} ranks vs no CP (zigzag layout)" in proc.stdout and ": OK" in proc.stdout
-    assert "grad.blocks.1.attn.k_proj.weight" in proc.stdout  # the softmax block's
+    out = torchrun("launch.check_cp", nproc, *TINY, f"model.linear={linear}")
+    assert f"CP over {nproc} ranks vs no CP (zigzag layout)" in out and ": OK" in out
+    assert "grad.blocks.1.attn.k_proj.weight" in out  # the softmax block's
 
 
 def _train_rank(rank, world_size, overrides):

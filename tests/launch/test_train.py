@@ -1,9 +1,6 @@
 """Training entry point: data, CP/DP equivalence, resume, check_cp, config errors."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +8,7 @@ import torch
 
 from launch.data import IGNORE, MQAR, ByteText
 from launch.train import load_config
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=1", "model.head_k_dim=16", "model.head_v_dim=16",
@@ -152,10 +149,6 @@ def test_dp_cp_mesh_gradients_equal_single_rank():
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,model", [(2, "gla"), (4, "gla"), (2, "kda"), (4, "kda")])
 def test_check_cp_torchrun(nproc, model):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "launch.check_cp",
-           *TINY, f"model={model}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"CP over {nproc} ranks vs no CP" in proc.stdout and ": OK" in proc.stdout
-    assert "grad.blocks.0.attn.q_proj.weight" in proc.stdout
+    out = torchrun("launch.check_cp", nproc, *TINY, f"model={model}")
+    assert f"CP over {nproc} ranks vs no CP" in out and ": OK" in out
+    assert "grad.blocks.0.attn.q_proj.weight" in out
