@@ -280,11 +280,20 @@ def _flex():
     return _COMPILED_FLEX
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """"flex" or "sdpa": `kernel`, with "auto" meaning flex on CUDA and sdpa elsewhere."""
+# flex_attention's compiled kernel needs head dims of at least this many
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_kernel(kernel: str, device: torch.device, head_dims: tuple[int, int] = (FLEX_MIN_HEAD_DIM,) * 2) -> str:
+    """"flex" or "sdpa": `kernel`, with "auto" meaning flex on CUDA when both head dims
+    `(Dk, Dv)` are at least FLEX_MIN_HEAD_DIM, else sdpa; "flex" with smaller dims raises."""
     check_option("kernel", kernel, KERNELS)
+    small = min(head_dims) < FLEX_MIN_HEAD_DIM
     if kernel == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and not small else "sdpa"
+    if kernel == "flex" and small:
+        raise ValueError(f"kernel='flex' needs head dims >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernel), got "
+                         f"(head_dim, head_v_dim) = {tuple(head_dims)}; use kernel='sdpa' or 'auto'")
     return kernel
 
 
@@ -304,7 +313,7 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     H, Hkv = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, tokens, dim]
-    if resolve_kernel(kernel, q.device) == "flex":
+    if resolve_kernel(kernel, q.device, (q.shape[-1], v.shape[-1])) == "flex":
         if block_mask is None:
             block_mask = document_block_mask(q_pos, q_lo, k.shape[1])
         with torch.autocast(q.device.type, enabled=False):  # the inputs already carry the compute dtype

@@ -37,7 +37,8 @@ class SoftmaxAttention(nn.Module):
     q and k with positions counted from each sequence's first token, causal softmax
     attention restricted to the token's own sequence, and the output projection.
 
-    kernel: "auto" (compiled flex_attention on CUDA, SDPA with an explicit mask elsewhere),
+    kernel: "auto" (compiled flex_attention on CUDA when both head dims are >= 16, SDPA with an
+        explicit mask elsewhere),
     "flex" or "sdpa" (`cp_linattn.cp.attention.document_causal_attention`).
     """
 
@@ -68,6 +69,7 @@ class SoftmaxAttention(nn.Module):
             if head_dim % 2:
                 raise ValueError(f"head_dim must be even for RoPE (rope_theta={rope_theta}), got {head_dim}")
         check_option("kernel", kernel, KERNELS)
+        resolve_kernel(kernel, torch.device("cpu"), (head_dim, head_v_dim))  # raises for flex with small heads
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.head_v_dim, self.rope_theta, self.kernel = head_dim, head_v_dim, rope_theta, kernel
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
@@ -101,7 +103,7 @@ class SoftmaxAttention(nn.Module):
             # one all-gather for K and V: [L, Hkv, Dk + Dv] -> [T, Hkv, Dk + Dv] in global order
             kv = gather_tokens(torch.cat([k, v], dim=-1)[0], cp_context, plan)[None]
             k, v = kv.split([Dk, Dv], dim=-1)
-        kernel = resolve_kernel(self.kernel, x.device)
+        kernel = resolve_kernel(self.kernel, x.device, (Dk, Dv))
         block_mask = plan.block_mask() if kernel == "flex" else None
         o = document_causal_attention(q, k, v, plan.q_pos, plan.q_lo, kernel=kernel, block_mask=block_mask)
         return self.o_proj(o.reshape(B, T, H * Dv))

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from cp_linattn.cp.attention import (document_block_mask, document_causal_attention, document_mask, gather_index,
-                                     local_plan, plan_from_ranges)
+                                     local_plan, plan_from_ranges, resolve_kernel)
 from cp_linattn.layers import SoftmaxAttention
 from cp_linattn.layers.attention import rotary
 from tests.multirank import run_ranks
@@ -192,6 +192,11 @@ def test_bad_arguments():
         SoftmaxAttention(D, 4, rope_theta=-1.0)
     with pytest.raises(ValueError, match="kernel must be one of"):
         SoftmaxAttention(D, 4, kernel="ring")
+    with pytest.raises(ValueError, match=r"kernel='flex' needs head dims >= 16.*\(8, 6\)"):
+        SoftmaxAttention(D, 4, head_dim=8, head_v_dim=6, kernel="flex")
+    # "auto" falls back to SDPA where flex's kernel cannot take the head dims
+    assert resolve_kernel("auto", torch.device("cuda"), (8, 6)) == "sdpa"
+    assert resolve_kernel("auto", torch.device("cuda"), (16, 64)) == "flex"
     module = _make()
     with pytest.raises(ValueError, match=r"x must be \[B, T, 32\]"):
         module(torch.randn(1, 10, D + 1))
@@ -311,7 +316,7 @@ def test_flex_on_cuda_as_accurate_as_sdpa():
         do = torch.randn(1, plan.q_pos.numel(), 8, 128, generator=gen, device="cuda")
 
         def run(kernel, dtype, **kw):
-            leaves = [t.to(dtype).requires_grad_() for t in x]
+            leaves = [t.detach().to(dtype).requires_grad_() for t in x]
             o = document_causal_attention(*leaves, plan.q_pos, plan.q_lo, kernel=kernel, **kw)
             o.backward(do.to(dtype))
             return [o.float()] + [t.grad.float() for t in leaves]
