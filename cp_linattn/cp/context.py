@@ -476,8 +476,9 @@ def build_cp_context(
     group: ProcessGroup | None = None,
     conv1d_kernel_size: int | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    *,
+    use_tf32x3_affine_chain: bool = True,
     layout: str = "contiguous",
+    *,
     split: Sequence[int] | None = None,
     ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
     comm: str = "all_gather",
@@ -504,8 +505,10 @@ def build_cp_context(
     cu_seqlens_cpu: optional CPU copy of `cu_seqlens` (spares a device-to-host copy). Checked
         against cu_seqlens where that costs no wait for the device: cu_seqlens itself on the
         CPU, or its values read back earlier (`cp_linattn.ops.utils.host_offsets`); else
-        trusted, as FLA does. The first four parameters and `layout` match
-        `fla.ops.cp.build_cp_context`.
+        trusted, as FLA does.
+    use_tf32x3_affine_chain: FLA's precision switch, accepted for compatibility: the merges
+        always run in fp32 (tf32x3 dots); False raises, as in FLA 0.6.0.
+    The first six parameters match `fla.ops.cp.build_cp_context`, positions included.
 
     Collective: every rank of `group` must call it with the same arguments; they exchange
     one small fingerprint, and a mismatch raises ValueError on every rank (never a hang).
@@ -522,6 +525,9 @@ def build_cp_context(
 
     plan, error = None, None
     try:
+        if use_tf32x3_affine_chain is not True:
+            raise ValueError(f"use_tf32x3_affine_chain must be True (the state merges always run in fp32), "
+                             f"got {use_tf32x3_affine_chain!r}")
         plan = _make_plan(cu_seqlens, cu_seqlens_cpu, world_size, layout, split, ranges, comm, conv1d_kernel_size)
         if device is not None:
             device = torch.device(device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_linattn.cp import build_cp_context, default_split, shard, unshard
+from cp_linattn.cp import build_cp_context, default_split, layout_ranges, shard, unshard
 from tests.multirank import run_ranks
 
 
@@ -234,6 +234,7 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "ranges_and_layout": _expect_error(lambda: build_cp_context(cu, layout="zigzag", ranges=[[(0, 4)], [(4, 7)],
                                                                                                [(7, 10)]])),
         "zigzag_short": _expect_error(lambda: build_cp_context(torch.tensor([0, 2]), layout="zigzag")),
+        "tf32x3": _expect_error(lambda: build_cp_context(cu, use_tf32x3_affine_chain=False)),
     }
     # arguments that differ between ranks, valid or not, must fail everywhere, not hang
     mismatched = {
@@ -257,6 +258,8 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     fla_style = build_cp_context(cu, dist.group.WORLD, 4, torch.tensor([0, 3, 10]))
     assert fla_style.global_cu_seqlens_cpu.tolist() == [0, 3, 10] and fla_style.conv1d_kernel_size == 4
     assert fla_style.pre_num_conv_tokens == [0, 1, 3][rank]
+    zig = build_cp_context(cu, dist.group.WORLD, None, None, True, "zigzag")  # FLA 0.6.0's positions
+    assert zig.layout == "zigzag" and zig.ranges == layout_ranges(10, world_size, "zigzag")[rank]
     other = dist.new_group(ranks=list(range(world_size)))
     local = shard(torch.zeros(1, 10, 2), ctx)
     checks = {
@@ -297,6 +300,7 @@ EXPECTED_MESSAGES = {
     "ranges_type": ("TypeError: ranges[0] must be a list of (start, end) int pairs",),
     "ranges_and_layout": ("ValueError: ranges= is the layout itself",),
     "zigzag_short": ("ValueError: rank 2 holds no token under layout zigzag (T=2, world size 3)",),
+    "tf32x3": ("ValueError: use_tf32x3_affine_chain must be True",),
     "check_group": ("ValueError: group does not match cp_context",),
     "check_local_global": ("q.shape[1] must be 3 (the tokens [4, 7) this rank holds", "got 10"),
     "check_local_batch": ("q must have batch size 1",),
