@@ -635,7 +635,7 @@ def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Ten
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if x is None:
             continue
-        host = host_offsets(x) if isinstance(x, torch.Tensor) and x.dtype == torch.int64 else None
+        host = host_offsets(x) if isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64) else None
         if host is None or (name == "cu_seqlens_cpu" and x.device.type != "cpu") \
                 or not torch.equal(host, context.global_cu_seqlens_cpu):
             raise ValueError(

@@ -15,6 +15,8 @@ import torch
 from cp_linattn.ops.common.index import prepare_chunk_indices, prepare_chunk_offsets
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# varlen offsets: FLA's own tests pass int32; the kernels and host tables use int64 (`kernel_offsets`)
+OFFSET_DTYPES = (torch.int32, torch.int64)
 # recurrent states are read in fp32, so any float dtype, float64 included, is accepted for them
 STATE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
@@ -57,8 +59,9 @@ class _PackedOffsets:
 
     ref: weakref.ref
     version: int
-    cpu: torch.Tensor  # a contiguous copy, never an alias of the caller's buffer
+    cpu: torch.Tensor  # a contiguous int64 copy, never an alias of the caller's buffer
     chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kernel_offsets: torch.Tensor | None = None  # contiguous int64 on the device, for int32 / strided offsets
 
 
 # Keyed by id(cu_seqlens); an entry goes with its tensor (weakref callback). It is used only while
@@ -68,8 +71,8 @@ _PACKED_OFFSETS: dict[int, _PackedOffsets] = {}
 
 
 def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor's values (a strided view is read through its strides)."""
-    return x.detach().clone(memory_format=torch.contiguous_format)
+    """A contiguous int64 copy of a CPU tensor's values (a strided view is read through its strides)."""
+    return x.detach().to(torch.int64).clone(memory_format=torch.contiguous_format)
 
 
 def _packed_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None) -> _PackedOffsets | None:
@@ -98,7 +101,7 @@ def _packed_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None) -> 
 
 
 def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
-    """The values of `cu_seqlens` on the CPU (contiguous; do not modify), read back from its
+    """The values of `cu_seqlens` on the CPU (contiguous int64; do not modify), read back from its
     device once per tensor (and after each in-place change), not on every call. `cpu_copy`: the
     same values already on the CPU; it replaces the read-back (and is checked against
     cu_seqlens when that is on the CPU: a free check).
@@ -109,9 +112,24 @@ def host_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None)
     if cpu_copy is not None and cu_seqlens.device.type == "cpu" and not torch.equal(cpu_copy, cu_seqlens):
         _mismatch(cu_seqlens, cpu_copy)
     entry = _packed_offsets(cu_seqlens, cpu_copy)
-    if entry is None:
+    if entry is None:  # an inference tensor: without cpu_copy, a host sync on every call (nothing to cache by)
         return _contiguous_copy(cu_seqlens.cpu() if cpu_copy is None else cpu_copy)
     return entry.cpu
+
+
+def kernel_offsets(cu_seqlens: torch.Tensor, cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
+    """`cu_seqlens` as the kernels and the chunk tables read it: contiguous int64 on its device.
+    An int32 (or strided) tensor is converted on the device once per tensor and version (its
+    `host_offsets` entry keeps the copy, so the ops of one batch share it and its chunk
+    tables); no host read. Inference tensors (no version counter) are converted per call."""
+    if cu_seqlens.dtype == torch.int64 and cu_seqlens.is_contiguous():
+        return cu_seqlens
+    entry = _packed_offsets(cu_seqlens, cpu_copy)
+    if entry is None:
+        return cu_seqlens.to(torch.int64).contiguous()
+    if entry.kernel_offsets is None:
+        entry.kernel_offsets = cu_seqlens.to(torch.int64).contiguous()
+    return entry.kernel_offsets
 
 
 def _mismatch(values: torch.Tensor, cpu_copy: torch.Tensor):
@@ -122,15 +140,15 @@ def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch
                      cpu_copy: torch.Tensor | None = None) -> torch.Tensor:
     """Validate packed-varlen offsets and return them as a CPU int64 tensor.
 
-    cu_seqlens: int64 `[N + 1]`, starting at 0, non-decreasing, ending at T; requires B == 1.
+    cu_seqlens: int32 or int64 `[N + 1]`, starting at 0, non-decreasing, ending at T; requires B == 1.
     cpu_copy: the same offsets already on the CPU (the `cu_seqlens_cpu` argument of the ops, or
-    a CP context's copy), read instead of copying cu_seqlens back, which would wait for the
-    device. Without it the copy is read back once per cu_seqlens tensor (`host_offsets`).
+    a CP context's copy; int32 or int64), read instead of copying cu_seqlens back, which would
+    wait for the device. Without it the copy is read back once per cu_seqlens tensor (`host_offsets`).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int64:
-        raise TypeError(f"cu_seqlens must have dtype int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    if cu_seqlens.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {_fmt_shape(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
@@ -140,8 +158,8 @@ def check_cu_seqlens(cu_seqlens, *, batch_size: int, seq_len: int, device: torch
     if cpu_copy is not None:
         if not isinstance(cpu_copy, torch.Tensor):
             raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor, got {type(cpu_copy).__name__}")
-        if cpu_copy.device.type != "cpu" or cpu_copy.dtype != torch.int64 or cpu_copy.shape != cu_seqlens.shape:
-            raise ValueError(f"cu_seqlens_cpu must be an int64 CPU tensor of cu_seqlens' shape "
+        if cpu_copy.device.type != "cpu" or cpu_copy.dtype not in OFFSET_DTYPES or cpu_copy.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must be an int32 or int64 CPU tensor of cu_seqlens' shape "
                              f"{_fmt_shape(cu_seqlens.shape)}, got {_fmt_shape(cpu_copy.shape)} "
                              f"{str(cpu_copy.dtype).replace('torch.', '')} on {cpu_copy.device}")
     cpu = host_offsets(cu_seqlens, cpu_copy)
@@ -176,8 +194,8 @@ class Dims:
     K: int
     V: int
     N: int
-    cu_seqlens: torch.Tensor | None  # contiguous, as the kernels index it
-    cu_seqlens_cpu: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None  # contiguous int64, as the kernels index it (`kernel_offsets`)
+    cu_seqlens_cpu: torch.Tensor | None  # int64
 
 
 def check_inputs(
@@ -236,7 +254,7 @@ def check_inputs(
         state_shape = (n, HV, V, K) if state_v_first else (n, HV, K, V)
         check_tensor("initial_state", initial_state, shape=state_shape, device=dev, dtypes=STATE_DTYPES)
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_cpu=cu_cpu,
-                cu_seqlens=None if cu_seqlens is None else cu_seqlens.contiguous())
+                cu_seqlens=None if cu_seqlens is None else kernel_offsets(cu_seqlens, cu_cpu))
 
 
 def check_kernel_dtype(q: torch.Tensor) -> None:
@@ -272,6 +290,14 @@ def kernel_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
     if initial_state is None:
         return None
     return initial_state.float().contiguous() if initial_state.dtype == torch.float64 else initial_state.contiguous()
+
+
+def transpose_state(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor | None:
+    """A `[..., K, V]` state as `[..., V, K]` and back when `state_v_first` (FLA's layout
+    flag); contiguous, as the user's states and the kernels' are. None stays None."""
+    if state is None or not state_v_first:
+        return state
+    return state.transpose(-1, -2).contiguous()
 
 
 def check_flag(name: str, value) -> bool:

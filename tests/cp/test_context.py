@@ -216,7 +216,7 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
         "comm": _expect_error(lambda: build_cp_context(cu, comm="ring")),
         "conv": _expect_error(lambda: build_cp_context(cu, conv1d_kernel_size=0)),
         "too_short": _expect_error(lambda: build_cp_context(torch.tensor([0, 2]))),
-        "dtype": _expect_error(lambda: build_cp_context(cu.int()), TypeError),
+        "dtype": _expect_error(lambda: build_cp_context(cu.short()), TypeError),
         "start": _expect_error(lambda: build_cp_context(torch.tensor([1, 3, 10]))),
         "decreasing": _expect_error(lambda: build_cp_context(torch.tensor([0, 5, 3, 10]))),
         "group": _expect_error(lambda: build_cp_context(cu, group="world"), TypeError),
@@ -258,6 +258,10 @@ def _bad_arguments(rank: int, world_size: int) -> tuple[dict, dict, dict]:
     fla_style = build_cp_context(cu, dist.group.WORLD, 4, torch.tensor([0, 3, 10]))
     assert fla_style.global_cu_seqlens_cpu.tolist() == [0, 3, 10] and fla_style.conv1d_kernel_size == 4
     assert fla_style.pre_num_conv_tokens == [0, 1, 3][rank]
+    # int32 offsets (FLA's own tests pass them), with and without an int32 CPU copy: the int64 context
+    for narrow in (build_cp_context(cu.int()), build_cp_context(cu.int(), cu_seqlens_cpu=cu.int())):
+        assert narrow.global_cu_seqlens_cpu.dtype == narrow.cu_seqlens.dtype == torch.int64
+        assert torch.equal(narrow.global_cu_seqlens_cpu, cu) and narrow.ranges == ctx.ranges
     zig = build_cp_context(cu, dist.group.WORLD, None, None, True, "zigzag")  # FLA 0.6.0's positions
     assert zig.layout == "zigzag" and zig.ranges == layout_ranges(10, world_size, "zigzag")[rank]
     other = dist.new_group(ranks=list(range(world_size)))
@@ -281,7 +285,7 @@ EXPECTED_MESSAGES = {
     "comm": ("ValueError: comm must be one of ['all_gather', 'send_recv'], got 'ring'",),
     "conv": ("ValueError: conv1d_kernel_size must be >= 1, got 0",),
     "too_short": ("ValueError: cu_seqlens holds T=2 tokens, fewer than the world size 3",),
-    "dtype": ("TypeError: cu_seqlens must have dtype int64, got int32",),
+    "dtype": ("TypeError: cu_seqlens must have dtype int32 or int64, got int16",),
     "start": ("ValueError: cu_seqlens must start at 0, got 1",),
     "decreasing": ("ValueError: cu_seqlens must be non-decreasing",),
     "group": ("TypeError: group must be a torch.distributed ProcessGroup or None, got str",),

@@ -53,11 +53,12 @@ def _run_op(op: str, x: dict, extra: dict, options: dict, cu_seqlens, cp_context
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     params = {n: extra[n].clone().requires_grad_() for n in ("h0", "A_log", "dt_bias") if extra.get(n) is not None}
     kw = dict(initial_state=params.get("h0"), output_final_state=extra["dht"] is not None,
-              cu_seqlens=cu_seqlens, cu_seqlens_cpu=options.get("cu_seqlens_cpu"), cp_context=cp_context)
+              state_v_first=options.get("state_v_first", False), cu_seqlens=cu_seqlens,
+              cu_seqlens_cpu=options.get("cu_seqlens_cpu"), cp_context=cp_context)
     if op == "gla":
         o, ht = chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], **kw)
     else:
-        kw.update(use_qk_l2norm_in_kernel=options.get("l2norm", False), state_v_first=options.get("state_v_first", False),
+        kw.update(use_qk_l2norm_in_kernel=options.get("l2norm", False),
                   disable_recompute=options.get("disable_recompute", False))
         if options.get("gate_in_kernel"):
             kw.update(use_gate_in_kernel=True, A_log=params["A_log"], dt_bias=params["dt_bias"],
@@ -315,7 +316,9 @@ def test_only_middle_ranks_pay_a_pre_process_pass(op):
 @pytest.mark.parametrize("comm", ["all_gather", pytest.param("send_recv", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layouts", ["contiguous", "zigzag-and-ranges"])
 def test_gla_cp_matches_single_rank(world_size, comm, layouts):
-    _check_cases("gla", world_size, CASE_SETS[layouts](world_size, comm, h0=True, ht=True))
+    # V-first states (state_v_first) with the zigzag and ranges layouts
+    _check_cases("gla", world_size, CASE_SETS[layouts](world_size, comm, h0=True, ht=True,
+                                                       state_v_first=layouts != "contiguous"))
 
 
 @pytest.mark.interpreter

@@ -9,7 +9,7 @@ import torch
 
 from cp_linattn import chunk_gla, chunk_kda
 from cp_linattn.ops.gla.naive import naive_recurrent_gla
-from cp_linattn.ops.utils import _PACKED_OFFSETS, host_offsets, prepare_varlen_chunks
+from cp_linattn.ops.utils import _PACKED_OFFSETS, host_offsets, kernel_offsets, prepare_varlen_chunks
 from tests.utils import random_qkvg
 
 
@@ -49,6 +49,18 @@ def test_given_cpu_copy_spares_the_read_back(count_readbacks):
     cu = torch.tensor([0, 30, 100])
     assert host_offsets(cu, torch.tensor([0, 30, 100])).tolist() == [0, 30, 100]
     assert not count_readbacks
+
+
+def test_int32_offsets_are_converted_once(count_readbacks):
+    """int32 offsets (and an int32 CPU copy): the int64 offsets the kernels read are made once per
+    tensor and shared by every call (and so are their chunk tables), remade after an in-place change."""
+    cu = torch.tensor([0, 30, 100], dtype=torch.int32)
+    wide = kernel_offsets(cu, torch.tensor([0, 30, 100], dtype=torch.int32))
+    assert wide.dtype == torch.int64 and wide.tolist() == [0, 30, 100] and not count_readbacks
+    assert kernel_offsets(cu) is wide and host_offsets(cu).dtype == torch.int64
+    assert kernel_offsets(torch.tensor([0, 30, 100])).dtype == torch.int64
+    cu.copy_(torch.tensor([0, 70, 100]))
+    assert kernel_offsets(cu).tolist() == [0, 70, 100]
 
 
 def test_entry_goes_with_its_tensor():
@@ -97,8 +109,9 @@ def test_cu_seqlens_cpu_is_checked_against_offsets_on_the_cpu():
     "cpu_copy, exc, match",
     [
         (torch.tensor([0, 40, 100]), ValueError, r"cu_seqlens_cpu must hold the values of cu_seqlens \[0, 30, 100\]"),
-        (torch.tensor([0, 30, 100], dtype=torch.int32), ValueError, r"cu_seqlens_cpu must be an int64 CPU tensor"),
-        (torch.tensor([0, 100]), ValueError, r"cu_seqlens_cpu must be an int64 CPU tensor of cu_seqlens' shape \[3\]"),
+        (torch.tensor([0.0, 30.0, 100.0]), ValueError, r"cu_seqlens_cpu must be an int32 or int64 CPU tensor"),
+        (torch.tensor([0, 100]), ValueError,
+         r"cu_seqlens_cpu must be an int32 or int64 CPU tensor of cu_seqlens' shape \[3\]"),
         ([0, 30, 100], TypeError, r"cu_seqlens_cpu must be a torch.Tensor, got list"),
     ],
 )

@@ -57,7 +57,7 @@ def chunk_fwd_kernel_h(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     REVERSE: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_CHUNKS: tl.constexpr,
-    STORE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_DECAY: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """GLA's diagonal-decay recurrence over one [BK, BV] state tile, chunk by chunk; grid
     (cdiv(V, BV), cdiv(K, BK), N * H). b is the chunk-local gate cumsum, b_last its last row.
@@ -66,14 +66,15 @@ def chunk_fwd_kernel_h(
     - b))^T v`; states[c] is the state entering chunk c (in states' dtype), final the last.
     REVERSE (kq = q, vdo = do), from the sequence end: `dS <- Diag(exp b_last) dS + (scale q
     exp(b))^T do`; states[c] is the gradient of the state leaving chunk c, final dh0.
-    init: the state (gradient) the walk starts from. With STORE_DECAY, the first V tile
+    init: the state (gradient) the walk starts from; init and final are stored `[V, K]` per
+    head with STATE_V_FIRST (states stays K-first). With STORE_DECAY, the first V tile
     writes the log decay from the walk's start to each stored state (decay) and, forward,
     over the whole sequence (decay_total)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first_chunk = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
 
-    o_k, o_v, m_k, m_v, m_kv, state_offs, _ = state_tile_offsets(i_k, i_v, K, V, BK, BV, False)
+    o_k, o_v, m_k, m_v, m_kv, chunk_offs, state_offs = state_tile_offsets(i_k, i_v, K, V, BK, BV, STATE_V_FIRST)
 
     b_s = initial_state_tile(init, i_nh, state_offs, m_kv, K, V, BK, BV, USE_INITIAL_STATE)
     b_decay = tl.zeros([BK], dtype=tl.float32)
@@ -87,7 +88,7 @@ def chunk_fwd_kernel_h(
         else:
             i_t = i_step
         if STORE_CHUNKS:
-            tl.store(states + ((first_chunk + i_t) * H + i_h) * K * V + state_offs,
+            tl.store(states + ((first_chunk + i_t) * H + i_h) * K * V + chunk_offs,
                      b_s.to(states.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < seq_len
@@ -119,6 +120,7 @@ def chunk_fwd_h(
     output_final_state: bool = False, cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64,
     store_chunk_states: bool = True, states_dtype: torch.dtype = torch.float32, output_decays: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """States entering every chunk, and the final states.
 
@@ -137,11 +139,13 @@ def chunk_fwd_h(
             nothing when h is stored in that dtype, and reads half the bytes.
         output_decays: also return the gate's log decays the walk sums on its way (the CP
             runtime needs them to account for a state entering a sequence).
+        state_v_first: h0 and ht are `[N, H, V, K]` (h stays K-first).
 
     Returns:
         h: `[B, NT, H, K, V]` in `states_dtype`, h[:, c] the state before chunk c (NT = chunks
             per row, or the total number of chunks of the packed batch with `cu_seqlens`), or None;
-        ht: fp32 `[N, H, K, V]` state after each sequence's last token, or None.
+        ht: fp32 `[N, H, K, V]` (`[N, H, V, K]` with `state_v_first`) state after each
+            sequence's last token, or None.
         decays: with `output_decays`, (fp32 `[B, NT, H, K]` log decay from the sequence's
             start to the start of each chunk, fp32 `[N, H, K]` over each whole sequence);
             else None. A state S entering sequence n adds `Diag(exp decay[c]) S` to h[c] and
@@ -150,14 +154,14 @@ def chunk_fwd_h(
     check_option("states_dtype", states_dtype, (torch.float32, torch.float16, torch.bfloat16))
     return _walk("chunk_fwd_h", k, ("v", v), gk, ("h0", h0), scale=1.0, store_final=output_final_state,
                  store_chunks=store_chunk_states, states_dtype=states_dtype, output_decays=output_decays,
-                 varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size)
+                 varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size, state_v_first=state_v_first)
 
 
 def chunk_bwd_dh(
     q: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, scale: float, dht: torch.Tensor | None = None,
     need_dh0: bool = False, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None, chunk_size: int = 64, store_chunk_grads: bool = True,
-    output_decays: bool = False,
+    output_decays: bool = False, state_v_first: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunk states, for outputs `o_t = scale * S_t^T q_t`.
 
@@ -169,31 +173,34 @@ def chunk_bwd_dh(
         store_chunk_grads: False when only dh0 is wanted (the CP pre-process): dh is then
             neither allocated nor written, and None is returned for it.
         output_decays: also return the log decays the reverse walk sums (for the CP runtime).
+        state_v_first: dht and dh0 are `[N, H, V, K]` (dh stays K-first).
 
     Returns:
         dh: fp32 `[B, NT, H, K, V]`; dh[:, c] is the gradient w.r.t. the state at the END of
             chunk c (= h[:, c + 1], or the final state for a sequence's last chunk) from the
             outputs of all later chunks of the sequence plus `dht`. It excludes chunk c's own
             outputs, which is what the gradients of chunk c's k and v need.
-        dh0: fp32 `[N, H, K, V]`, the gradient w.r.t. each sequence's initial state (from all
-            its outputs and `dht`), or None unless `need_dh0`.
+        dh0: fp32 `[N, H, K, V]` (`[N, H, V, K]` with `state_v_first`), the gradient w.r.t.
+            each sequence's initial state (from all its outputs and `dht`), or None unless `need_dh0`.
         decay: with `output_decays`, fp32 `[B, NT, H, K]`, the log decay from the end of each
             chunk to its sequence's end (a gradient dS arriving at the end of a sequence adds
             `Diag(exp decay[c]) dS` to dh[c]); else None.
     """
     dh, dh0, decays = _walk("chunk_bwd_dh", q, ("do", do), gk, ("dht", dht), scale=float(scale), store_final=need_dh0,
                             store_chunks=store_chunk_grads, states_dtype=torch.float32, output_decays=output_decays,
-                            varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size)
+                            varlen=(cu_seqlens, chunk_indices, chunk_offsets), chunk_size=chunk_size,
+                            state_v_first=state_v_first)
     return dh, dh0, decays[0] if output_decays else None
 
 
 def _walk(launcher: str, kq: torch.Tensor, named_vdo: tuple[str, torch.Tensor], gk: torch.Tensor,
           named_init: tuple[str, torch.Tensor | None], scale: float, store_final: bool, store_chunks: bool,
-          states_dtype: torch.dtype, output_decays: bool, varlen: tuple, chunk_size: int):
+          states_dtype: torch.dtype, output_decays: bool, varlen: tuple, chunk_size: int, state_v_first: bool):
     """Checks, allocations and launch of `chunk_fwd_kernel_h` for `launcher`, `chunk_fwd_h` (kq = k,
     vdo = v) or `chunk_bwd_dh` (kq = q, vdo = do, walked in REVERSE); vdo and init come with the names
-    their errors give. varlen: (cu_seqlens, chunk_indices, chunk_offsets). Returns (per-chunk
-    states or None, final states or None, (decay, decay over each whole sequence) or None)."""
+    their errors give. varlen: (cu_seqlens, chunk_indices, chunk_offsets). init and the final
+    states are `[N, H, V, K]` with state_v_first. Returns (per-chunk states or None, final
+    states or None, (decay, decay over each whole sequence) or None)."""
     (vdo_name, vdo), (init_name, init) = named_vdo, named_init
     cu_seqlens, chunk_indices, chunk_offsets = varlen
     B, T, H, K = kq.shape
@@ -202,12 +209,13 @@ def _walk(launcher: str, kq: torch.Tensor, named_vdo: tuple[str, torch.Tensor], 
     check_tensor("gk", gk, shape=(B, T, H, K), device=kq.device, dtypes=(torch.float32,))
     N, NT, chunk_offsets = count_sequences_and_chunks(kq, cu_seqlens, chunk_indices, chunk_offsets, chunk_size,
                                                       store_chunks or output_decays)
+    state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
     if init is not None:
-        check_tensor(init_name, init, shape=(N, H, K, V), device=kq.device)
+        check_tensor(init_name, init, shape=state_shape, device=kq.device)
         init = init.contiguous()
     kq, vdo, gk = kq.contiguous(), vdo.to(kq.dtype).contiguous(), gk.contiguous()
     states = kq.new_empty(B, NT, H, K, V, dtype=states_dtype) if store_chunks else None
-    final = kq.new_empty(N, H, K, V, dtype=torch.float32) if store_final else None
+    final = kq.new_empty(state_shape, dtype=torch.float32) if store_final else None
     reverse = launcher == "chunk_bwd_dh"
     # the reverse walk has no whole-sequence decay to give
     decays = (kq.new_empty(B, NT, H, K, dtype=torch.float32),
@@ -218,7 +226,7 @@ def _walk(launcher: str, kq: torch.Tensor, named_vdo: tuple[str, torch.Tensor], 
             kq, vdo, gk, states, init, final, *(decays or (None, None)), cu_seqlens, chunk_offsets, scale, T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, REVERSE=reverse,
             USE_INITIAL_STATE=init is not None, STORE_FINAL_STATE=store_final, STORE_CHUNKS=store_chunks,
-            STORE_DECAY=output_decays, IS_VARLEN=cu_seqlens is not None,
+            STORE_DECAY=output_decays, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=dot_precision(kq.dtype), **launch_options(launcher),
         )
     return states, final, decays

@@ -88,6 +88,7 @@ def count_sequences_and_chunks(x, cu_seqlens, chunk_indices, chunk_offsets, chun
         chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
     n_chunks = None
     if count_chunks:
+        # int() of device offsets is a host sync: the ops pass chunk_indices (built on the host)
         n_chunks = chunk_indices.shape[0] if chunk_indices is not None else int(chunk_offsets[-1])
     return cu_seqlens.numel() - 1, n_chunks, chunk_offsets
 
@@ -106,7 +107,8 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """`[NT, 2]` int32 table: for every chunk of the packed batch, (sequence id, chunk id in it).
 
-    Chunks never cross a sequence boundary; empty sequences own no chunk.
+    Chunks never cross a sequence boundary; empty sequences own no chunk. Reads the offsets on
+    the host: a host sync for device offsets (the ops pass their CPU copy, `prepare_varlen_chunks`).
     """
     n_chunks = ((prepare_lens(cu_seqlens) + chunk_size - 1) // chunk_size).tolist()
     seq = torch.repeat_interleave(torch.arange(len(n_chunks)), torch.tensor(n_chunks, dtype=torch.long))

@@ -45,7 +45,7 @@ from cp_linattn.cp.exchange import CPExchange
 from cp_linattn.cp.gla import gla_cp_bwd_dh, gla_cp_fwd_h
 from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
 from cp_linattn.ops.utils import (check_flag, check_scale, kernel_state, prepare_varlen_chunks, refuse_double_backward,
-                                  save_for_backward, saved_tensors)
+                                  save_for_backward, saved_tensors, transpose_state)
 
 CHUNK_SIZE = 64
 SUB_CHUNK_SIZE = 16
@@ -408,9 +408,10 @@ def chunk_gla_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.LongTensor | None = None,
     chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None,
-    cp_context: FLACPContext | None = None,
+    cp_context: FLACPContext | None = None, state_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, ChunkGLASaved, CPExchange | None]:
     """Forward of chunked GLA on validated, contiguous inputs: gate cumsum, states, output.
+    initial_state and the final state are `[N, H, V, K]` with state_v_first.
 
     Returns o, the final state (or None), what the backward reads, and under CP the exchange."""
     varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -419,29 +420,36 @@ def chunk_gla_fwd(
     walk = dict(chunk_offsets=chunk_offsets, chunk_size=CHUNK_SIZE, states_dtype=q.dtype, **varlen)
     exchange = None
     if cp_context is None:
-        h, ht, _ = chunk_fwd_h(k, v, gk, h0=initial_state, output_final_state=output_final_state, **walk)
+        h, ht, _ = chunk_fwd_h(k, v, gk, h0=initial_state, output_final_state=output_final_state,
+                               state_v_first=state_v_first, **walk)
     else:
-        h, ht, exchange = gla_cp_fwd_h(k, v, gk, initial_state=initial_state, output_final_state=output_final_state,
-                                       context=cp_context, **walk)
+        # cp/ exchanges K-first states: the user's [N, H, V, K] states are turned round at its edge
+        h, ht, exchange = gla_cp_fwd_h(k, v, gk, initial_state=transpose_state(initial_state, state_v_first),
+                                       output_final_state=output_final_state, context=cp_context, **walk)
+        ht = transpose_state(ht, state_v_first)
     o, A = chunk_gla_fwd_o(q=q, k=k, v=v, gk=gk, exact_blocks=exact_blocks, h=h, scale=scale, **varlen)
     return o, ht, ChunkGLASaved(q, k, v, gk, exact_blocks, h, A, cu_seqlens, chunk_indices, chunk_offsets), exchange
 
 
 def chunk_gla_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, saved: ChunkGLASaved, scale: float, need_dh0: bool,
-    g_dtype: torch.dtype, exchange: CPExchange | None = None,
+    g_dtype: torch.dtype, exchange: CPExchange | None = None, state_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of chunked GLA: state gradients, dv, then dq, dk, dg (in `g_dtype`).
 
     need_dh0: the user passed an initial state. Under CP `exchange` is the forward's.
+    dht and dh0 are `[N, H, V, K]` with state_v_first.
     Returns dq, dk, dv, dg and the initial state's gradient (fp32) or None."""
     varlen = dict(cu_seqlens=saved.cu_seqlens, chunk_indices=saved.chunk_indices)
     walk = dict(chunk_offsets=saved.chunk_offsets, chunk_size=CHUNK_SIZE, **varlen)
     do = do.to(saved.q.dtype).contiguous()
     if exchange is None:
-        dh, dh0, _ = chunk_bwd_dh(saved.q, saved.gk, do, scale, dht=dht, need_dh0=need_dh0, **walk)
+        dh, dh0, _ = chunk_bwd_dh(saved.q, saved.gk, do, scale, dht=dht, need_dh0=need_dh0,
+                                  state_v_first=state_v_first, **walk)
     else:
-        dh, dh0 = gla_cp_bwd_dh(saved.q, saved.gk, do, scale, dht=dht, need_dh0=need_dh0, exchange=exchange, **walk)
+        dh, dh0 = gla_cp_bwd_dh(saved.q, saved.gk, do, scale, dht=transpose_state(dht, state_v_first),
+                                need_dh0=need_dh0, exchange=exchange, **walk)
+        dh0 = transpose_state(dh0, state_v_first)
     dv = chunk_gla_bwd_dv(k=saved.k, gk=saved.gk, A=saved.A, do=do, dh=dh, **varlen)
     dq, dk, dg = chunk_gla_bwd_dqkg(q=saved.q, k=saved.k, v=saved.v, gk=saved.gk, exact_blocks=saved.exact_blocks,
                                     h=saved.h, do=do, dh=dh, scale=scale, dg_dtype=g_dtype, **varlen)
@@ -453,23 +461,25 @@ class ChunkGLAFunction(torch.autograd.Function):
     Under CP the state chain crosses ranks in `cp_linattn.cp.gla` (cp/README.md)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, cp_context):
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                cp_context):
         chunk_indices = chunk_offsets = None
         if cu_seqlens is not None:
             chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
         o, ht, saved, exchange = chunk_gla_fwd(q, k, v, g, scale, initial_state=initial_state,
                                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-                                               cp_context=cp_context)
+                                               cp_context=cp_context, state_v_first=state_v_first)
         save_for_backward(ctx, saved)
-        ctx.options = dict(scale=scale, need_dh0=initial_state is not None, g_dtype=g.dtype, exchange=exchange)
+        ctx.options = dict(scale=scale, need_dh0=initial_state is not None, g_dtype=g.dtype, exchange=exchange,
+                           state_v_first=state_v_first)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         refuse_double_backward("chunk_gla")
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(do, dht, saved_tensors(ctx), **ctx.options)
-        return dq, dk, dv, dg, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, None, dh0, None, None, None, None, None
 
 
 def chunk_gla(
@@ -480,23 +490,28 @@ def chunk_gla(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     cu_seqlens_cpu: torch.LongTensor | None = None,
     cp_context: FLACPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated Linear Attention with chunked Triton kernels (forward and backward).
+    """Gated Linear Attention with chunked Triton kernels (forward and backward). Keyword (and
+    position) compatible with `fla.ops.gla.chunk_gla`; `cp_context` is ours.
 
     Args:
         q, k: `[B, T, H, K]`; v: `[B, T, H, V]`; one dtype of fp32/fp16/bf16.
         g: `[B, T, H, K]` log decay (natural log, <= 0), any float dtype.
         scale: defaults to `K ** -0.5`.
-        initial_state: `[N, H, K, V]` (any float dtype; used in fp32), N = B or the number of
-            sequences of `cu_seqlens`.
-        output_final_state: also return the fp32 final states `[N, H, K, V]`.
-        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
-        cu_seqlens_cpu: the same offsets on the CPU, to spare the one device-to-host read of
-            cu_seqlens. Without it that read happens once per cu_seqlens tensor (and again after
-            an in-place change of it), not once per call: the layers of a model share it.
+        initial_state: `[N, H, K, V]` (`[N, H, V, K]` with `state_v_first`; any float dtype,
+            used in fp32), N = B or the number of sequences of `cu_seqlens`.
+        output_final_state: also return the fp32 final states (same layout as initial_state).
+        state_v_first: states laid out `[V, K]` per head, as FLA's `state_v_first`.
+        cu_seqlens: int32 or int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cu_seqlens_cpu: the same offsets on the CPU (int32 or int64), to spare the one
+            device-to-host read of cu_seqlens. Without it that read happens once per cu_seqlens
+            tensor (and again after an in-place change of it), not once per call: the layers of a
+            model share it. With it, or without cu_seqlens, forward and backward make no
+            device-to-host copy (tests/ops/test_host_sync.py).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): q, k, v, g are this
             rank's shard `[1, end - start, ...]` of the global packed batch, and the result is
             exactly this rank's slice of the single-rank result. `cu_seqlens` is then taken
@@ -509,16 +524,20 @@ def chunk_gla(
             gives every final state. Every rank of the group must call the op (collective).
 
     Returns:
-        o `[B, T, H, V]` in q's dtype, and the final state (fp32 `[N, H, K, V]`) or None.
+        o `[B, T, H, V]` in q's dtype, and the final state (fp32, `[N, H, K, V]` or with
+        `state_v_first` `[N, H, V, K]`) or None.
     """
     def check():
+        flags = {name: check_flag(name, value) for name, value in (
+            ("output_final_state", output_final_state), ("state_v_first", state_v_first))}
         dims = check_op_inputs(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                               cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context)
-        return dims, check_scale(scale, dims.K), check_flag("output_final_state", output_final_state)
+                               cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+                               state_v_first=flags["state_v_first"])
+        return dims, check_scale(scale, dims.K), flags
 
-    dims, scale, output_final_state = checked_call(
+    dims, scale, flags = checked_call(
         "chunk_gla", cp_context, check,
-        lambda call: call_signature(cp_context, call[0], q, g, call[1], initial_state, output_final_state=call[2]))
+        lambda call: call_signature(cp_context, call[0], q, g, call[1], initial_state, **call[2]))
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-    return ChunkGLAFunction.apply(q, k, v, g, scale, kernel_state(initial_state), output_final_state, dims.cu_seqlens,
-                                  dims.cu_seqlens_cpu, cp_context)
+    return ChunkGLAFunction.apply(q, k, v, g, scale, kernel_state(initial_state), flags["output_final_state"],
+                                  flags["state_v_first"], dims.cu_seqlens, dims.cu_seqlens_cpu, cp_context)

@@ -193,3 +193,17 @@ def kda_gate_bwd_cumsum(
     dA = dA_part.sum((0, 2)).to(A_log.dtype).view_as(A_log) if A_log is not None else None
     dbias = dbias_part.sum(0).to(dt_bias.dtype).view_as(dt_bias) if dt_bias is not None else None
     return dg, dA, dbias
+
+
+def beta_sigmoid(beta_logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """The step sizes from logits, `scale * sigmoid(beta_logits)` in fp32, as FLA's
+    `use_beta_sigmoid_in_kernel` forms them (scale 2 with `allow_neg_eigval`: beta in (0, 2),
+    so `I - beta k k^T` may have the eigenvalue -1). One elementwise pass over `[B, T, HV]`."""
+    return torch.sigmoid(beta_logits.float()).mul_(scale)
+
+
+def beta_sigmoid_bwd(beta: torch.Tensor, dbeta: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of the logits from that of `beta = beta_sigmoid(logits, scale)`, through the
+    fp32 beta itself: `scale * s * (1 - s) = beta * (1 - beta / scale)` (torch's sigmoid
+    backward also works from the output). Returned in the logits' `dtype`."""
+    return (dbeta.float() * beta * (1.0 - beta / scale)).to(dtype)

@@ -76,35 +76,48 @@ def naive_recurrent_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     state_v_first: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    return_intermediate_states: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reference KDA (gates already in log space; see `kda_gate` for the in-kernel gate).
 
     Args:
         q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]`; beta: `[B, T, HV]`.
         initial_state: `[N, HV, K, V]` (or `[N, HV, V, K]` with `state_v_first`).
-        cu_seqlens: int64 `[N + 1]` offsets of a packed batch (B == 1).
+        cu_seqlens: int32 or int64 `[N + 1]` offsets of a packed batch (B == 1).
+        use_beta_sigmoid_in_kernel: beta holds logits, the step sizes are `sigmoid(beta)`, or
+            with `allow_neg_eigval` (which requires it) `2 * sigmoid(beta)`.
+        return_intermediate_states: also return the state entering every chunk of
+            `chunk_size` tokens of each sequence, as `chunk_kda` does (fp32 here).
 
     Returns:
         o `[B, T, HV, V]` in v's dtype, and the fp32 final state (same layout as
-        initial_state) or None.
+        initial_state) or None; with return_intermediate_states also the chunk states
+        `[B, NT, HV, K, V]` (`[B, NT, HV, V, K]` with `state_v_first`), NT the chunks of a
+        row, or of all sequences with cu_seqlens.
     """
     dims = check_inputs(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, allow_gva=True, state_v_first=state_v_first
     )
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True, got False")
     scale = check_scale(scale, dims.K)
     out_dtype = v.dtype
     G = dims.HV // dims.H
     q, k = (x.float().repeat_interleave(G, dim=2) for x in (q, k))
     v, g, beta = (x.float() for x in (v, g, beta))
-    outs, finals = [], []
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    layout = (lambda S: S.transpose(-1, -2)) if state_v_first else (lambda S: S)  # noqa: E731
+    outs, finals, chunk_states = [], [], [[] for _ in range(dims.B)]
     for n, (b, start, end) in enumerate(host_sequence_bounds(dims)):
-        if initial_state is None:
-            S = q.new_zeros(dims.HV, dims.K, dims.V)
-        else:
-            S = initial_state[n].float()
-            S = S.transpose(-1, -2) if state_v_first else S
+        S = q.new_zeros(dims.HV, dims.K, dims.V) if initial_state is None else layout(initial_state[n].float())
         o_seq = [q.new_zeros(0, dims.HV, dims.V)]
         for t in range(start, end):
+            if (t - start) % chunk_size == 0:
+                chunk_states[b].append(layout(S))
             S = S * g[b, t].exp()[..., None]
             k_t = k[b, t]
             # delta rule: move the value stored under k_t towards v_t by a step beta_t
@@ -112,6 +125,11 @@ def naive_recurrent_kda(
             S = S + beta[b, t][:, None, None] * k_t[..., None] * residual[:, None, :]
             o_seq.append(scale * torch.einsum("hk,hkv->hv", q[b, t], S)[None])
         outs.append(torch.cat(o_seq))
-        finals.append(S.transpose(-1, -2) if state_v_first else S)
+        finals.append(layout(S))
     o = join_sequence_outputs(outs, dims).to(out_dtype)
-    return o, (torch.stack(finals) if output_final_state else None)
+    ht = torch.stack(finals) if output_final_state else None
+    if not return_intermediate_states:
+        return o, ht
+    state_shape = (dims.HV, dims.V, dims.K) if state_v_first else (dims.HV, dims.K, dims.V)
+    h = torch.stack([torch.stack(row) if row else q.new_zeros(0, *state_shape) for row in chunk_states])
+    return o, ht, h

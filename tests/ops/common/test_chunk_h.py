@@ -65,6 +65,28 @@ def test_state_kernels_with_incoming_state_and_gradient():
     assert dh.shape[1] == 3 and max_rel_err(dh[0, 0], dht[0]) <= 1e-6 and max_rel_err(dh[0, 2], dht[1]) <= 1e-6
 
 
+@pytest.mark.interpreter
+def test_state_v_first_layout():
+    """state_v_first: h0 / dht read and ht / dh0 written `[N, H, V, K]`, the very values of the
+    K-first walk turned round; the per-chunk states stay K-first."""
+    cu = torch.tensor([0, 10, 100])
+    H, K, V = 2, 32, 48
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g = random_qkvg(gen, 1, 100, H, K, V).values()
+    h0, dht = torch.randn(2, H, K, V, generator=gen), torch.randn(2, H, K, V, generator=gen)
+    do = torch.randn(1, 100, H, V, generator=gen)
+    gk = chunk_local_cumsum(g, 64, cu_seqlens=cu)
+    turn = lambda x: x.transpose(-1, -2).contiguous()  # noqa: E731
+    h, ht, _ = chunk_fwd_h(k, v, gk, h0=h0, output_final_state=True, cu_seqlens=cu)
+    h_vf, ht_vf, _ = chunk_fwd_h(k, v, gk, h0=turn(h0), output_final_state=True, cu_seqlens=cu, state_v_first=True)
+    assert torch.equal(h_vf, h) and ht_vf.shape == (2, H, V, K) and torch.equal(turn(ht_vf), ht)
+    dh, dh0, _ = chunk_bwd_dh(q, gk, do, 0.5, dht=dht, need_dh0=True, cu_seqlens=cu)
+    dh_vf, dh0_vf, _ = chunk_bwd_dh(q, gk, do, 0.5, dht=turn(dht), need_dh0=True, cu_seqlens=cu, state_v_first=True)
+    assert torch.equal(dh_vf, dh) and torch.equal(turn(dh0_vf), dh0)
+    with pytest.raises(ValueError, match=r"^h0 must have shape \[2, 2, 48, 32\]"):
+        chunk_fwd_h(k, v, gk, h0=h0, cu_seqlens=cu, state_v_first=True)
+
+
 def test_state_kernels_validate_shapes():
     k, v, g = torch.randn(1, 20, 1, 16), torch.randn(1, 20, 1, 16), torch.zeros(1, 20, 1, 16)
     with pytest.raises(ValueError, match=r"^h0 must have shape"):

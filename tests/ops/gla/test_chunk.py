@@ -36,22 +36,37 @@ def make_inputs(B, T, H, K, V, N, dtype, device, gate="logsigmoid", with_h0=True
     return q, k, v, x["g"].to(device=device), None if h0 is None else h0.to(device=device)
 
 
-def run_gla(fn, q, k, v, g, h0, cu, do, dht, output_final_state=True) -> dict:
-    """o, ht and the gradients dq, dk, dv, dg (and dh0 with h0) of `fn` (chunk_gla or the reference)."""
+def run_gla(fn, q, k, v, g, h0, cu, do, dht, output_final_state=True, **kw) -> dict:
+    """o, ht and the gradients dq, dk, dv, dg (and dh0 with h0) of `fn` (chunk_gla or the
+    reference); kw: further arguments of fn."""
     def call(q, k, v, g, h0):
-        return fn(q, k, v, g, initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu)
+        return fn(q, k, v, g, initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu, **kw)
 
     return run_with_grads(call, dict(q=q, k=k, v=v, g=g, h0=h0), do, dht)
 
 
+def _v_first(x):
+    return None if x is None else x.transpose(-1, -2).contiguous()
+
+
 def compare_with_reference(B, T, H, K, V, cu=None, with_h0=True, with_dht=True, output_final_state=True,
-                           gate="logsigmoid", dtype=torch.float32, device="cpu", tol=1e-4):
+                           gate="logsigmoid", dtype=torch.float32, device="cpu", tol=1e-4, state_v_first=False,
+                           offsets_dtype=torch.long, cpu_copy=False):
+    """chunk_gla against the reference, every output and gradient. state_v_first: our states
+    (h0, ht, dht, dh0) laid out `[N, H, V, K]`, compared after turning them round.
+    offsets_dtype: of cu_seqlens, and of its CPU copy passed as cu_seqlens_cpu with cpu_copy."""
     N = B if cu is None else len(cu) - 1
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long, device=device)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=offsets_dtype, device=device)
+    kw = dict(cu_seqlens_cpu=torch.tensor(cu, dtype=offsets_dtype)) if cpu_copy else {}
     q, k, v, g, h0 = make_inputs(B, T, H, K, V, N, dtype, device, gate, with_h0)
     do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(1)).to(device)
     dht = torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(2)).to(device) if with_dht else None
-    got = run_gla(chunk_gla, q, k, v, g, h0, cu_t, do, dht, output_final_state)
+    if state_v_first:
+        got = run_gla(chunk_gla, q, k, v, g, _v_first(h0), cu_t, do, _v_first(dht), output_final_state,
+                      state_v_first=True, **kw)
+        got.update({n: _v_first(got[n]) for n in ("ht", "dh0") if n in got})
+    else:
+        got = run_gla(chunk_gla, q, k, v, g, h0, cu_t, do, dht, output_final_state, **kw)
     ref = run_gla(naive_recurrent_gla, q.float(), k.float(), v.float(), g, h0, cu_t, do, dht, output_final_state)
     assert got["o"].dtype == q.dtype and got["o"].shape == (B, T, H, V)
     if output_final_state:
@@ -109,6 +124,20 @@ def test_tile_caps_of_the_launch_table(monkeypatch, caps):
     keeping exact)."""
     set_tile_caps(monkeypatch, ("chunk_fwd_h", "chunk_bwd_dh", "add_decayed_state", "chunk_gla_"), caps)
     compare_with_reference(1, 150, 1, 80, 48, cu=[0, 70, 150])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cu", [None, [0, 1, 70, 150]])
+def test_state_v_first(cu):
+    """state_v_first (FLA's flag): initial and final states `[N, H, V, K]`, their gradients too."""
+    compare_with_reference(1 if cu else 2, 150, 2, 32, 48, cu=cu, state_v_first=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cpu_copy", [False, True])
+def test_int32_offsets(cpu_copy):
+    """int32 cu_seqlens (and an int32 cu_seqlens_cpu), as FLA's own tests pass them."""
+    compare_with_reference(1, 150, 1, 32, 32, cu=[0, 64, 64, 150], offsets_dtype=torch.int32, cpu_copy=cpu_copy)
 
 
 @pytest.mark.interpreter

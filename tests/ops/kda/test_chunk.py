@@ -23,10 +23,11 @@ REL_TOL = 1e-4
 
 
 def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_kernel=False, lower_bound=None,
-             safe_gate=False, state_v_first=False, disable_recompute=False):
+             safe_gate=False, state_v_first=False, disable_recompute=False, beta_logits=False, allow_neg_eigval=False,
+             cu_seqlens_cpu=None):
     """Runs chunk_kda and the reference on the same inputs and the same random cotangents.
     Returns (ours, reference): {name: tensor} for o, the final state ht (with `final`) and
-    every gradient."""
+    every gradient. beta_logits: inp's beta are logits (use_beta_sigmoid_in_kernel)."""
     names = ["q", "k", "v", "g", "beta"] + (["h0"] if use_h0 else [])
     if gate_in_kernel:
         names += ["A_log"] if inp["A_log"] is not None else []
@@ -46,7 +47,8 @@ def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_ke
             q, k, v, g, beta, initial_state=None if h0 is None else transpose(h0), output_final_state=final,
             use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
             safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            use_beta_sigmoid_in_kernel=beta_logits, allow_neg_eigval=allow_neg_eigval,
         )
 
     def reference(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
@@ -56,7 +58,8 @@ def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_ke
             g = kda_lower_bound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None else \
                 kda_gate(g, A_log, dt_bias)
         return naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=final,
-                                   cu_seqlens=cu_seqlens)
+                                   cu_seqlens=cu_seqlens, use_beta_sigmoid_in_kernel=beta_logits,
+                                   allow_neg_eigval=allow_neg_eigval)
 
     got = run_with_grads(ours, {n: inp[n] for n in names}, do, dht)
     ref = run_with_grads(reference, {n: inp[n].float() for n in names}, do.float(),
@@ -274,6 +277,72 @@ def test_short_sequence():
     assert_close(run_both(make_inputs(T=23)))
 
 
+def _beta_logits(inp, seed=5):
+    """inp with beta replaced by logits ~ 2 N(0, 1) (steps from near 0 to near 1, or 2)."""
+    beta = inp["beta"]
+    logits = 2 * torch.randn(beta.shape, generator=torch.Generator().manual_seed(seed))
+    return dict(inp, beta=logits.to(dtype=beta.dtype, device=beta.device))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_beta_sigmoid_in_kernel(allow_neg_eigval):
+    """use_beta_sigmoid_in_kernel: beta are logits, the steps sigmoid(beta) (2 sigmoid(beta)
+    with allow_neg_eigval, as FLA: reflections of the state); dbeta is the logits' gradient.
+    Varlen, GVA, initial and final states, every gradient."""
+    cu = torch.tensor([0, 37, 38, 130], dtype=torch.long)
+    inp = _beta_logits(make_inputs(T=130, H=1, HV=2, N=3))
+    assert_close(run_both(inp, cu_seqlens=cu, beta_logits=True, allow_neg_eigval=allow_neg_eigval))
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_beta_sigmoid_fp16_logits_gradient_dtype():
+    """fp16 logits: the kernels run with fp32 steps, the logits' gradient comes back in fp16."""
+    inp = _beta_logits(make_inputs(T=70, HV=2, dtype=torch.float16))
+    res = run_both(inp, beta_logits=True, allow_neg_eigval=True)
+    assert res[0]["dbeta"].dtype == torch.float16
+    assert_close(res, rel=5e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("with_cpu_copy", [False, True])
+def test_int32_offsets(with_cpu_copy):
+    """int32 cu_seqlens (and an int32 cu_seqlens_cpu), as FLA's own tests pass them: the
+    reference's result, and exactly the int64 offsets' result."""
+    offsets = [0, 37, 37, 100]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    cpu_copy = torch.tensor(offsets, dtype=torch.int32) if with_cpu_copy else None
+    inp = make_inputs(T=100, HV=2, N=3)
+    res = run_both(inp, cu_seqlens=cu, cu_seqlens_cpu=cpu_copy, l2=True)
+    assert_close(res)
+    wide = run_both(inp, cu_seqlens=torch.tensor(offsets), l2=True)
+    for name, x in wide[0].items():
+        assert torch.equal(res[0][name], x), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("varlen, state_v_first", [(False, False), (True, True)])
+def test_return_intermediate_states(varlen, state_v_first):
+    """return_intermediate_states (inference mode): the states entering every chunk, laid out
+    as FLA returns them (`[B, NT, HV, K, V]`, V-first with state_v_first, k's dtype), against
+    the reference's; o and the final state are the training call's."""
+    cu = torch.tensor([0, 70, 71, 150]) if varlen else None
+    inp = make_inputs(T=150, HV=2, N=3 if varlen else None)
+    h0 = inp["h0"].transpose(-1, -2).contiguous() if state_v_first else inp["h0"]
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(initial_state=h0, output_final_state=True, state_v_first=state_v_first, cu_seqlens=cu)
+    with torch.inference_mode():
+        o, ht, h = chunk_kda(*args, return_intermediate_states=True, chunk_size=64, use_graph=False,
+                             max_num_seqs=None, **kw)
+    ref = naive_recurrent_kda(*args, return_intermediate_states=True, **kw)
+    NT = 5 if varlen else 3
+    assert h.shape == ((inp["v"].shape[0], NT, 2, 32, 32)) and h.dtype == inp["k"].dtype
+    assert_matches(dict(o=o, ht=ht, h=h), dict(o=ref[0], ht=ref[1], h=ref[2]), REL_TOL, floor=1e-3)
+    o_train, ht_train = chunk_kda(*args, **kw)
+    assert torch.equal(o, o_train) and torch.equal(ht, ht_train)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -285,6 +354,13 @@ def test_short_sequence():
         (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-7.0), "lower_bound"),
         (dict(lower_bound=1.0), "lower_bound"),
         (dict(A_log=torch.zeros(1)), "A_log"),
+        (dict(allow_neg_eigval=True), "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True"),
+        (dict(use_beta_sigmoid_in_kernel=1), "use_beta_sigmoid_in_kernel must be a bool"),
+        (dict(chunk_size=32), "chunk_size must be 64: .*got 32"),
+        (dict(chunk_size=64.0), "chunk_size must be an int"),
+        (dict(use_graph=True), "use_graph=True is not supported.*Pass use_graph=False"),
+        (dict(max_num_seqs=4), "max_num_seqs is only used with use_graph=True"),
+        (dict(return_intermediate_states=True), "return_intermediate_states=True is only allowed in inference mode"),
     ],
 )
 def test_validation(kwargs, match):
@@ -292,6 +368,14 @@ def test_validation(kwargs, match):
     args = (q, q, torch.randn(1, 10, 1, 32), -torch.rand(1, 10, 1, 32), torch.rand(1, 10, 1))
     with pytest.raises((ValueError, TypeError), match=match):
         chunk_kda(*args, **kwargs)
+
+
+def test_intermediate_states_need_recompute_as_in_fla():
+    q = torch.randn(1, 10, 1, 32)
+    args = (q, q, torch.randn(1, 10, 1, 32), -torch.rand(1, 10, 1, 32), torch.rand(1, 10, 1))
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"return_intermediate_states=True must be used "
+                                                                 r"with disable_recompute=False"):
+        chunk_kda(*args, return_intermediate_states=True, disable_recompute=True)
 
 
 @pytest.mark.interpreter

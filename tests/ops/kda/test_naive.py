@@ -115,3 +115,40 @@ def test_l2norm_unit_rows():
     x = torch.randn(3, 7) * 5
     assert torch.allclose(l2norm(x).norm(dim=-1), torch.ones(3), atol=1e-5)
     assert math.isclose(float(l2norm(torch.zeros(1, 4)).abs().sum()), 0.0)
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_beta_logits_match_transition_matrices(allow_neg_eigval):
+    """use_beta_sigmoid_in_kernel: beta holds logits, the steps are sigmoid(beta) (2 sigmoid(beta)
+    with allow_neg_eigval: a reflection when beta reaches 2), against explicit matrices."""
+    q, k, v, g, _ = _kda_inputs(1, 9, 1, 2, 4, 3, seed=2)
+    logits = torch.randn(1, 9, 2) * 3
+    o, ht = naive_recurrent_kda(q, k, v, g, logits, output_final_state=True, use_beta_sigmoid_in_kernel=True,
+                                allow_neg_eigval=allow_neg_eigval)
+    steps = torch.sigmoid(logits) * (2 if allow_neg_eigval else 1)
+    o_ref, ht_ref = _kda_by_transition_matrices(q, k, v, g, steps, 0.5)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht.double(), ht_ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True"):
+        naive_recurrent_kda(q, k, v, g, logits, allow_neg_eigval=True)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_intermediate_states_are_the_prefix_states(state_v_first):
+    """return_intermediate_states: the state entering every chunk of each sequence (chunks
+    restart at each sequence start; an empty sequence has none) is the final state of the
+    sequence's prefix up to it."""
+    q, k, v, g, beta = _kda_inputs(1, 23, 1, 2, 4, 3, seed=3)
+    cu = torch.tensor([0, 9, 9, 10, 23], dtype=torch.int32)
+    h0 = torch.randn(4, 2, 4, 3)
+    h0_given = h0.transpose(-1, -2) if state_v_first else h0
+    _, _, h = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0_given, cu_seqlens=cu, state_v_first=state_v_first,
+                                  return_intermediate_states=True, chunk_size=4)
+    starts = [(n, t) for n in range(4) for t in range(int(cu[n]), int(cu[n + 1]), 4)]
+    assert h.shape == ((1, len(starts), 2, 3, 4) if state_v_first else (1, len(starts), 2, 4, 3))
+    for c, (n, t) in enumerate(starts):
+        s = int(cu[n])
+        _, before = naive_recurrent_kda(q[:, s:t], k[:, s:t], v[:, s:t], g[:, s:t], beta[:, s:t],
+                                        initial_state=h0[n:n + 1], output_final_state=True)
+        got = h[0, c].transpose(-1, -2) if state_v_first else h[0, c]
+        torch.testing.assert_close(got, before[0], rtol=1e-6, atol=1e-6)
