@@ -3,9 +3,11 @@
     torchrun --nproc_per_node=4 -m launch.check_cp model=gla
     torchrun --nproc_per_node=2 -m launch.check_cp model=hybrid cp.layout=zigzag
 
-Configured like launch.train (cp.degree is set to the world size; cp.layout applies). Prints the largest
+Configured like launch.train (configs/check_cp.yaml extends train.yaml; cp.degree is set to the
+world size, cp.layout applies), and a hydra app like it (launch/cli.py). Prints the largest
 differences of the loss, the logits and every parameter gradient; exits with status 1 when
-one exceeds check.tol (relative to the largest magnitude of the reference), else 0.
+one exceeds check.tol (relative to the largest magnitude of the reference), else 0; with one
+rank there is nothing to compare: an error, status 2.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-# launch.train first: it picks the Triton mode before anything imports triton
-from launch.train import (IGNORE, build_data, forward_backward, init_distributed, load_config, local_batch,
-                          make_model, setup)
+# cp_linattn first: without a GPU it selects the Triton interpreter before triton loads
+import cp_linattn  # noqa: F401  isort: skip
 
-from cp_linattn.cp.context import unshard  # noqa: E402
+from cp_linattn.cp.context import unshard
+from launch.cli import run_app
+from launch.config import ConfigError, build_data_source, load_config, validate  # noqa: F401
+from launch.train import IGNORE, forward_backward, init_distributed, local_batch, make_model, setup
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -30,9 +34,12 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def check(cfg: DictConfig) -> dict[str, float]:
     """Relative max differences {"loss", "logits", "grad.<param>"} between CP and no CP."""
     init_distributed(cfg)
+    if dist.get_world_size() == 1:
+        raise ConfigError("launch.check_cp compares CP over all ranks with no CP, and with 1 rank there is "
+                          "nothing to compare: run it under torchrun --nproc_per_node=N with N >= 2")
     cfg = OmegaConf.merge(cfg, {"cp": {"degree": dist.get_world_size()}})
     env = setup(cfg)
-    batch = build_data(OmegaConf.to_container(cfg.data, resolve=True), cfg.seed).batch(0, 0)
+    batch = build_data_source(cfg).batch(0, 0)
     num_targets = int((batch.labels != IGNORE).sum())
 
     model = make_model(cfg, env)
@@ -53,23 +60,23 @@ def check(cfg: DictConfig) -> dict[str, float]:
             for k in ref}
 
 
+def _job(cfg: DictConfig) -> int:
+    validate(cfg)
+    diffs = check(cfg)
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and torch.cuda.is_available())
+    tol = cfg.check.tol if cfg.check.tol is not None else (3e-2 if bf16 else 1e-4)
+    worst = max(diffs, key=diffs.get)
+    if dist.get_rank() == 0:
+        for name, d in diffs.items():
+            print(f"{name:40s} max rel diff {d:.3e}{'   <-- above tol' if d > tol else ''}")
+        print(f"CP over {dist.get_world_size()} ranks vs no CP ({cfg.cp.layout} layout): "
+              f"worst {worst} {diffs[worst]:.3e} (tol {tol:.0e}): {'FAIL' if diffs[worst] > tol else 'OK'}", flush=True)
+    return int(diffs[worst] > tol)
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
-    try:
-        diffs = check(cfg)
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and torch.cuda.is_available())
-        tol = cfg.check.tol if cfg.check.tol is not None else (3e-2 if bf16 else 1e-4)
-        worst = max(diffs, key=diffs.get)
-        if dist.get_rank() == 0:
-            for name, d in diffs.items():
-                print(f"{name:40s} max rel diff {d:.3e}{'   <-- above tol' if d > tol else ''}")
-            print(f"CP over {dist.get_world_size()} ranks vs no CP ({cfg.cp.get('layout', 'contiguous')} layout): "
-                  f"worst {worst} {diffs[worst]:.3e} "
-                  f"(tol {tol:.0e}): {'FAIL' if diffs[worst] > tol else 'OK'}", flush=True)
-        return int(diffs[worst] > tol)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """`torchrun --nproc_per_node=N -m launch.check_cp`: a hydra app (launch/cli.py)."""
+    return run_app(_job, "check_cp", argv)
 
 
 if __name__ == "__main__":

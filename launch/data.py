@@ -55,7 +55,8 @@ class MQAR:
     def __init__(self, tokens_per_batch: int, num_keys: int, num_values: int, min_pairs: int, max_pairs: int,
                  vocab_size: int, seed: int) -> None:
         if not 1 <= min_pairs <= max_pairs <= num_keys:
-            raise ValueError(f"data needs 1 <= min_pairs <= max_pairs <= num_keys, got {min_pairs}, {max_pairs}, {num_keys}")
+            raise ValueError(f"data.min_pairs={min_pairs}, data.max_pairs={max_pairs}, data.num_keys={num_keys}: "
+                             "need 1 <= min_pairs <= max_pairs <= num_keys")
         if vocab_size < 1 + num_keys + num_values:
             raise ValueError(f"data.vocab_size={vocab_size} must be >= 1 + num_keys + num_values = {1 + num_keys + num_values}")
         self.tokens, self.num_keys, self.num_values = tokens_per_batch, num_keys, num_values
@@ -95,8 +96,8 @@ class ByteText:
             raise ValueError(f"data.vocab_size={vocab_size} must be >= 256 for byte tokens")
         self.data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).long()
         if not 2 <= min_doc_len <= max_doc_len <= len(self.data):
-            raise ValueError(f"data needs 2 <= min_doc_len <= max_doc_len <= {len(self.data)} (bytes of {path!r}), "
-                             f"got {min_doc_len}, {max_doc_len}")
+            raise ValueError(f"data.min_doc_len={min_doc_len}, data.max_doc_len={max_doc_len}: need 2 <= min_doc_len "
+                             f"<= max_doc_len <= {len(self.data)} (the bytes of data.path={path!r})")
         self.tokens, self.min_len, self.max_len, self.seed = tokens_per_batch, min_doc_len, max_doc_len, seed
 
     def batch(self, dp_rank: int, step: int) -> Batch:

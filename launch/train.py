@@ -3,6 +3,12 @@
     torchrun --nproc_per_node=2 -m launch.train                      # tiny KDA, cp.degree=2, MQAR
     torchrun --nproc_per_node=4 -m launch.train cp.degree=2 model=gla data=text data.path=README.md
     torchrun --nproc_per_node=2 -m launch.train model=hybrid cp.layout=zigzag
+    python -m launch.train cp.degree=1                               # one process, a world of one
+    python -m launch.train --help | --cfg job | -m cp.degree=1,2     # hydra's flags (launch/cli.py)
+
+A run directory holds one run: config.yaml, metrics.jsonl, loss.png and checkpoints/, each
+checkpoint with the config that made it (run.yaml). A run resumes from the latest checkpoint
+only with the same config, but for launch/config.py's RESUME_MAY_CHANGE; a finished run says so.
 
 The world is a ("dp", "cp") device mesh. The ranks of a CP group build the same packed
 batch and each keeps its shard of tokens in the layout cp.layout (`build_cp_context` +
@@ -13,42 +19,32 @@ world gives the gradient of the global mean loss, whatever the CP degree.
 """
 from __future__ import annotations
 
+# cp_linattn first: without a GPU it selects the Triton interpreter before triton loads
+import cp_linattn  # noqa: F401  isort: skip
+
+import contextlib
+import json
+import math
 import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# The Triton interpreter must be chosen before triton is first imported (by cp_linattn);
-# without a GPU it is the only way the kernels run.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-
-from cp_linattn.cp.context import LAYOUTS, FLACPContext, build_cp_context, shard  # noqa: E402
-from cp_linattn.models import LinearAttentionLM, build_model  # noqa: E402
-from launch.data import IGNORE, Batch, build_data  # noqa: E402
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
-
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """configs/train.yaml with hydra command-line style overrides (`cp.degree=4`, `model=gla`)."""
-    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+from cp_linattn.cp.context import FLACPContext, build_cp_context, shard
+from cp_linattn.models import LinearAttentionLM, build_model
+from launch.cli import run_app
+from launch.config import (RESUME_MAY_CHANGE, ConfigError, build_data_source, load_config,  # noqa: F401
+                           resume_mismatches, validate)
+from launch.data import IGNORE, Batch, build_data  # noqa: F401  (build_data: the tests' import)
 
 
 @dataclass
@@ -71,45 +67,43 @@ class Env:
 
 
 def init_distributed(cfg: DictConfig) -> tuple[torch.device, torch.dtype | None]:
-    """Join the default process group (unless already in one); (device, autocast dtype or None)."""
+    """Join the default process group unless already in one (torchrun's, or under no launcher
+    a world of one); (device, autocast dtype or None)."""
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if cfg.backend == "auto" else cfg.backend
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend must be auto, nccl or gloo, got {cfg.backend!r}")
     precision = ("bf16" if cuda else "fp32") if cfg.precision == "auto" else cfg.precision
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be auto, fp32 or bf16, got {cfg.precision!r}")
     if precision == "bf16" and not cuda:
-        raise ValueError("precision=bf16 needs CUDA: the Triton interpreter computes bf16 dots wrongly")
+        raise ConfigError("precision=bf16 needs CUDA: the Triton interpreter computes bf16 dots wrongly")
+    if backend == "nccl" and not cuda:
+        raise ConfigError("backend=nccl needs CUDA; use backend=gloo (or auto)")
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        if "RANK" in os.environ:  # torchrun (or any env:// launcher)
+            dist.init_process_group(backend)
+        else:  # a plain `python -m launch.train`: a world of one, no port to pick
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_backend() != backend:
+        raise ConfigError(f"backend={cfg.backend} ({backend}), but this process already joined a "
+                          f"{dist.get_backend()} group (a sweep cannot change the backend)")
     return device, torch.bfloat16 if precision == "bf16" else None
-
-
-def cp_layout(cfg: DictConfig) -> str:
-    """cfg.cp.layout (contiguous when absent), checked against the named layouts."""
-    layout = cfg.cp.get("layout", "contiguous")
-    if layout not in LAYOUTS:
-        raise ValueError(f"cp.layout must be one of {list(LAYOUTS)}, got {layout!r}")
-    return layout
 
 
 def setup(cfg: DictConfig) -> Env:
     """Join (or reuse) the default process group and build the ("dp", "cp") mesh."""
-    layout = cp_layout(cfg)
     device, amp_dtype = init_distributed(cfg)
     world = dist.get_world_size()
     degree = cfg.cp.degree
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or world % degree:
-        raise ValueError(f"cp.degree must be a positive int dividing the world size {world}, got {degree!r}")
+        hint = (" (one process: pass cp.degree=1, or run under torchrun --nproc_per_node=N)"
+                if world == 1 else "")
+        raise ConfigError(f"cp.degree must be a positive int dividing the world size {world}, got {degree!r}{hint}")
     mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=("dp", "cp"))
     return Env(device, mesh, mesh["cp"].get_group(), degree, mesh["dp"].get_local_rank(), dist.get_rank(), amp_dtype,
-               layout)
+               cfg.cp.layout)
 
 
 def make_model(cfg: DictConfig, env: Env) -> LinearAttentionLM:
@@ -189,79 +183,160 @@ def checkpoint_state(model, optimizer, step: int) -> dict:
     return {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
 
 
-def plot_losses(records: list[dict], path: Path) -> None:
+# Beside each checkpoint's shards: the config that produced it and its data-parallel degree,
+# written before the shards (so a complete checkpoint always has it); a resume checks them.
+RUN_META = "run.yaml"
+
+
+def save_checkpoint(model, optimizer, cfg: DictConfig, env: Env, step: int) -> Path:
+    path = Path(cfg.run_dir) / "checkpoints" / f"step_{step:06d}"
+    if env.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"step": step, "dp_degree": env.mesh["dp"].size(), "config": OmegaConf.to_container(cfg, resolve=True)}
+        OmegaConf.save(OmegaConf.create(meta), path / RUN_META)
+    dcp.save(checkpoint_state(model, optimizer, step), checkpoint_id=path)
+    return path
+
+
+def resume_step(cfg: DictConfig, env: Env) -> tuple[int, Path | None]:
+    """(the step to start from, the checkpoint to load or None). Raises ConfigError when
+    run_dir holds a checkpoint this config may not continue: a different config (but for
+    RESUME_MAY_CHANGE) or data-parallel degree, or trainer.resume=false."""
+    run_dir = Path(cfg.run_dir)
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return 0, None
+    if not cfg.trainer.resume:
+        raise ConfigError(f"trainer.resume=false, but {run_dir} holds a checkpoint ({latest.name}): starting over "
+                          f"there would mix two runs; delete {run_dir}, pick another run_dir, or resume")
+    if not (latest / RUN_META).exists():
+        raise ConfigError(f"{latest} has no {RUN_META}, so its config cannot be checked; delete {run_dir} "
+                          "or pick another run_dir")
+    meta = OmegaConf.to_container(OmegaConf.load(latest / RUN_META))
+    diffs = resume_mismatches(meta["config"], cfg, meta["dp_degree"], env.mesh["dp"].size())
+    if diffs:
+        raise ConfigError(f"{run_dir} holds a checkpoint ({latest.name}) of another config: {'; '.join(diffs)}. "
+                          f"A resume may change only {', '.join(RESUME_MAY_CHANGE)}; delete {run_dir} or pick "
+                          "another run_dir")
+    return int(meta["step"]), latest
+
+
+def smooth(values: list[float]) -> list[float]:
+    """Trailing mean over a window of about a tenth of the run (at least 1 point)."""
+    w = max(1, len(values) // 10)
+    return [sum(values[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(values))]
+
+
+def plot_losses(records: list[dict], path: Path, chance: float | None = None, acc_label: str = "accuracy") -> None:
+    """Loss and accuracy against step: raw (faint) and smoothed; the chance accuracy as a
+    dashed line; a dotted vertical line where a resume started."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
-    ax.set(xlabel="step", ylabel="loss", title=path.parent.name)
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_acc) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_acc, "acc", acc_label)):
+        values = [r[key] for r in records]
+        ax.plot(steps, values, color="C0", alpha=0.3, lw=1)
+        ax.plot(steps, smooth(values), color="C0", lw=2, label=f"{label} (smoothed)")
+        for r in records:
+            if r.get("resumed"):
+                ax.axvline(r["step"] - 0.5, color="gray", ls=":", lw=1)
+        ax.set_ylabel(label)
+    if chance is not None:
+        ax_acc.axhline(chance, color="C3", ls="--", lw=1, label=f"chance ({chance:.3g})")
+    if any(r.get("resumed") for r in records):
+        ax_acc.plot([], [], color="gray", ls=":", label="resumed")
+    ax_acc.legend(loc="upper left", fontsize="small")
+    ax_acc.set_xlabel("step")
+    ax_loss.set_title(path.parent.name)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def train(cfg: DictConfig) -> list[dict]:
-    """Run (or resume) the training job of `cfg` on the current world; returns the records
-    of the steps run here (every rank), the same as written to run_dir/metrics.jsonl."""
+    """Run (or resume) the training job of a validated `cfg` (`load_config`) on the current
+    world; returns the records of the steps run here (every rank), the same as appended to
+    run_dir/metrics.jsonl. Nothing is written before the config and the run dir are checked."""
     env = setup(cfg)
-    data = build_data(OmegaConf.to_container(cfg.data, resolve=True), cfg.seed)
+    run_dir, steps = Path(cfg.run_dir), cfg.trainer.steps
+    metrics_path, plot_path = run_dir / "metrics.jsonl", run_dir / "loss.png"
+    start, latest = resume_step(cfg, env)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    if start >= steps:
+        say(f"run complete: {start}/{steps} steps; delete {run_dir} or raise trainer.steps\n"
+            f"metrics {metrics_path}, plot {plot_path}, checkpoint {latest}", flush=True)
+        return []
+    data = build_data_source(cfg)
     model = make_model(cfg, env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
-    run_dir = Path(cfg.run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    start = 0
-    latest = latest_checkpoint(run_dir) if cfg.trainer.resume else None
     if latest is not None:
         state = checkpoint_state(model, optimizer, 0)
         dcp.load(state, checkpoint_id=latest)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start = int(state["step"])
+        assert int(state["step"]) == start, (latest, int(state["step"]), start)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         # records past the checkpoint belong to the interrupted run and are about to be redone
         old = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= start))
-        print(f"{cfg.model.type} model, {sum(p.numel() for p in model.parameters())} parameters; "
-              f"world {dist.get_world_size()} = dp {env.mesh['dp'].size()} x cp {env.cp_degree} ({env.cp_layout}); "
-              f"{'resuming from ' + str(latest) if latest else 'from scratch'}", flush=True)
+    ckpts = f"{run_dir / 'checkpoints'} (every {cfg.trainer.ckpt_every} steps and the last)" if cfg.trainer.ckpt_every \
+        else "none (trainer.ckpt_every=0)"
+    say(f"{cfg.model.type} model, {sum(p.numel() for p in model.parameters())} parameters; "
+        f"world {dist.get_world_size()} = dp {env.mesh['dp'].size()} x cp {env.cp_degree} ({env.cp_layout}); "
+        f"{f'resuming from {latest} at step {start}' if latest else 'from scratch'}, to step {steps} "
+        f"(log lines: means since the previous line)\n"
+        f"run_dir {run_dir}: metrics {metrics_path}, plot {plot_path}, checkpoints {ckpts}", flush=True)
     records = []
     tokens_per_step = cfg.data.tokens_per_batch * env.mesh["dp"].size()
-    for step in range(start, cfg.trainer.steps):
+    t_start = time.perf_counter()
+    for step in range(start, steps):
         t0 = time.perf_counter()
         record = train_step(model, optimizer, data, env, cfg, step)
         record["step_time"] = time.perf_counter() - t0
         record["tokens_per_s"] = tokens_per_step / record["step_time"]
+        if step == start and latest is not None:
+            record["resumed"] = True  # loss.png marks where this session took over
         records.append(record)
         if env.rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            if record["step"] % cfg.trainer.log_every == 0 or record["step"] == cfg.trainer.steps:
-                print(f"step {record['step']:5d} | loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
-                      f"lr {record['lr']:.2e} | {record['tokens_per_s']:7.0f} tok/s | {record['step_time']:.2f} s/step",
-                      flush=True)
-        if cfg.trainer.ckpt_every and record["step"] % cfg.trainer.ckpt_every == 0:
-            dcp.save(checkpoint_state(model, optimizer, record["step"]),
-                     checkpoint_id=run_dir / "checkpoints" / f"step_{record['step']:06d}")
+            if record["step"] % cfg.trainer.log_every == 0 or record["step"] == steps:
+                # means over the steps since the last line: one batch's accuracy is too noisy to read
+                previous_line = (record["step"] - 1) // cfg.trainer.log_every * cfg.trainer.log_every
+                window = records[-(record["step"] - previous_line):]
+                mean = {k: sum(r[k] for r in window) / len(window) for k in ("loss", "acc", "step_time")}
+                print(f"step {record['step']:5d} | loss {mean['loss']:.4f} | acc {mean['acc']:.3f} | "
+                      f"lr {record['lr']:.2e} | {tokens_per_step / mean['step_time']:7.0f} tok/s | "
+                      f"{mean['step_time']:.2f} s/step", flush=True)
+        every = cfg.trainer.ckpt_every
+        if every and (record["step"] % every == 0 or record["step"] == steps):
+            latest = save_checkpoint(model, optimizer, cfg, env, record["step"])
     if env.rank == 0:
         all_records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        if all_records:
-            plot_losses(all_records, run_dir / "loss.png")
+        mqar = cfg.data.name == "mqar"
+        plot_losses(all_records, plot_path, chance=1 / cfg.data.num_values if mqar else None,
+                    acc_label="recall accuracy" if mqar else "next-byte accuracy")
+    say(f"done: steps {start + 1}..{steps} in {time.perf_counter() - t_start:.0f} s; metrics {metrics_path}, "
+        f"plot {plot_path}, checkpoint {latest if cfg.trainer.ckpt_every else 'none (trainer.ckpt_every=0)'}",
+        flush=True)
     return records
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
-    try:
-        train(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _job(cfg: DictConfig) -> None:
+    validate(cfg)
+    train(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m launch.train` / `torchrun ... -m launch.train`: a hydra app (launch/cli.py)."""
+    return run_app(_job, "train", argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from launch.data import IGNORE, MQAR, ByteText
+from launch.config import ConfigError
 from launch.train import load_config
 from tests.multirank import run_ranks, torchrun
 
@@ -49,13 +50,11 @@ def test_text_batches(tmp_path):
 
 
 def test_bad_configs():
+    """Checked when composed (load_config), before anything runs; more in test_app.py."""
     with pytest.raises(Exception, match="model/mamba"):
         load_config(["model=mamba"])
-    cfg = load_config(["model.type=mamba"])
-    from launch.train import make_model
-
-    with pytest.raises(ValueError, match="model.type must be one of"):
-        make_model(cfg, None)
+    with pytest.raises(ConfigError, match="model.type must be one of"):
+        load_config(["model.type=mamba"])
 
 
 def _setup_rank(rank, world_size, overrides):
