@@ -612,7 +612,7 @@ def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.T
 def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Tensor) -> torch.Tensor:
     """Validate an op call under `context` and return the LOCAL cu_seqlens to run with.
 
-    Each tensor must be this rank's shard (`[1, end - start, ...]`); `cu_seqlens` and
+    Each tensor must be this rank's shard (`[1, local_len, ...]`); `cu_seqlens` and
     `cu_seqlens_cpu`, if the caller passes them, must be the global offsets the context was
     built from (on its device / on the CPU); the context
     must have been built on this process for its group (a context handed between ranks or

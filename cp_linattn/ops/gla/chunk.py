@@ -513,7 +513,8 @@ def chunk_gla(
             model share it. With it, or without cu_seqlens, forward and backward make no
             device-to-host copy (tests/ops/test_host_sync.py).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): q, k, v, g are this
-            rank's shard `[1, end - start, ...]` of the global packed batch, and the result is
+            rank's shard `[1, T_local, ...]` of the global packed batch (its tokens in the
+            context's layout), and the result is
             exactly this rank's slice of the single-rank result. `cu_seqlens` is then taken
             from the context (if given, it must be the global offsets the context was built
             from). `initial_state` is `[N_global, H, K, V]`, the same on every rank, each row

@@ -285,7 +285,8 @@ def chunk_kda(
             model share it. With it, or without cu_seqlens, forward and backward make no
             device-to-host copy (tests/ops/test_host_sync.py).
         cp_context: context parallelism (`cp_linattn.cp.build_cp_context`): every tensor
-            argument is this rank's shard `[1, end - start, ...]` of the global packed batch and
+            argument is this rank's shard `[1, T_local, ...]` of the global packed batch (its
+            tokens in the context's layout) and
             the result is exactly this rank's slice of the single-rank result, for every option.
             `cu_seqlens` comes from the context (if given it must be the global offsets).
             `initial_state` is `[N_global, HV, K, V]` (same on every rank), each row used on the
