@@ -122,14 +122,16 @@ def local_batch(batch: Batch, env: Env, comm: str) -> tuple[torch.Tensor, torch.
 
 def forward_backward(
     model: LinearAttentionLM, env: Env, input_ids: torch.Tensor, labels: torch.Tensor,
-    cu_seqlens: torch.Tensor | None, ctx: FLACPContext | None, num_targets: int,
+    cu_seqlens: torch.Tensor | None, ctx: FLACPContext | None, num_targets: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backpropagate `sum of token losses / num_targets`; (logits, loss sum, correct count)."""
+    """Backpropagate `sum of token losses / num_targets` (an int, or a device tensor: no host
+    sync); (logits, loss sum, correct count)."""
     with env.autocast():
         logits = model(input_ids, cu_seqlens, ctx)
     flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
     loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE, reduction="sum")
-    (loss_sum / max(num_targets, 1)).backward()
+    denominator = num_targets.clamp(min=1) if isinstance(num_targets, torch.Tensor) else max(num_targets, 1)
+    (loss_sum / denominator).backward()
     correct = ((flat_logits.argmax(-1) == flat_labels) & (flat_labels != IGNORE)).sum()
     return logits.detach(), loss_sum.detach(), correct
 
@@ -153,11 +155,13 @@ def lr_at(step: int, cfg: DictConfig) -> float:
 
 
 def train_step(model, optimizer, data, env: Env, cfg: DictConfig, step: int) -> dict:
+    """One optimiser step. No host sync: the statistics stay device tensors (`finish_records`
+    reads a window of them at once, on logging and checkpoint steps)."""
     batch = data.batch(env.dp_rank, step)
     input_ids, labels, cu_seqlens, ctx = local_batch(batch, env, cfg.cp.comm)
     num_targets = (labels != IGNORE).sum().float()
     dist.all_reduce(num_targets)
-    _, loss_sum, correct = forward_backward(model, env, input_ids, labels, cu_seqlens, ctx, int(num_targets))
+    _, loss_sum, correct = forward_backward(model, env, input_ids, labels, cu_seqlens, ctx, num_targets)
     all_reduce_gradients(model)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
     lr = lr_at(step, cfg)
@@ -167,9 +171,17 @@ def train_step(model, optimizer, data, env: Env, cfg: DictConfig, step: int) -> 
     optimizer.zero_grad(set_to_none=True)
     stats = torch.stack([loss_sum, correct.float()])
     dist.all_reduce(stats)
-    n = max(float(num_targets), 1.0)
-    return {"step": step + 1, "loss": stats[0].item() / n, "acc": stats[1].item() / n, "lr": lr,
-            "grad_norm": grad_norm.item()}
+    return {"step": step + 1, "lr": lr, "stats": torch.stack([stats[0], stats[1], num_targets, grad_norm.float()])}
+
+
+def finish_records(pending: list[dict], seconds: float) -> list[dict]:
+    """The pending steps' records with plain numbers: one device-to-host read for the window
+    (this is a host sync); step_time is the window's mean."""
+    values = torch.stack([r.pop("stats") for r in pending]).tolist()
+    for r, (loss_sum, correct, n, grad_norm) in zip(pending, values):
+        n = max(n, 1.0)
+        r.update(loss=loss_sum / n, acc=correct / n, grad_norm=grad_norm, step_time=seconds / len(pending))
+    return pending
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -295,28 +307,35 @@ def train(cfg: DictConfig) -> list[dict]:
     records = []
     tokens_per_step = cfg.data.tokens_per_batch * env.mesh["dp"].size()
     t_start = time.perf_counter()
+    pending, t0 = [], time.perf_counter()
     for step in range(start, steps):
-        t0 = time.perf_counter()
         record = train_step(model, optimizer, data, env, cfg, step)
-        record["step_time"] = time.perf_counter() - t0
-        record["tokens_per_s"] = tokens_per_step / record["step_time"]
         if step == start and latest is not None:
             record["resumed"] = True  # loss.png marks where this session took over
-        records.append(record)
+        pending.append(record)
+        every, done = cfg.trainer.ckpt_every, record["step"]
+        log = done % cfg.trainer.log_every == 0 or done == steps
+        ckpt = bool(every) and (done % every == 0 or done == steps)
+        if not (log or ckpt):
+            continue
+        window = finish_records(pending, time.perf_counter() - t0)
+        for r in window:
+            r["tokens_per_s"] = tokens_per_step / r["step_time"]
+        records += window
         if env.rank == 0:
             with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if record["step"] % cfg.trainer.log_every == 0 or record["step"] == steps:
+                f.writelines(json.dumps(r) + "\n" for r in window)
+            if log:
                 # means over the steps since the last line: one batch's accuracy is too noisy to read
-                previous_line = (record["step"] - 1) // cfg.trainer.log_every * cfg.trainer.log_every
-                window = records[-(record["step"] - previous_line):]
-                mean = {k: sum(r[k] for r in window) / len(window) for k in ("loss", "acc", "step_time")}
-                print(f"step {record['step']:5d} | loss {mean['loss']:.4f} | acc {mean['acc']:.3f} | "
+                previous_line = (done - 1) // cfg.trainer.log_every * cfg.trainer.log_every
+                lines = records[-(done - previous_line):]
+                mean = {k: sum(r[k] for r in lines) / len(lines) for k in ("loss", "acc", "step_time")}
+                print(f"step {done:5d} | loss {mean['loss']:.4f} | acc {mean['acc']:.3f} | "
                       f"lr {record['lr']:.2e} | {tokens_per_step / mean['step_time']:7.0f} tok/s | "
                       f"{mean['step_time']:.2f} s/step", flush=True)
-        every = cfg.trainer.ckpt_every
-        if every and (record["step"] % every == 0 or record["step"] == steps):
-            latest = save_checkpoint(model, optimizer, cfg, env, record["step"])
+        if ckpt:
+            latest = save_checkpoint(model, optimizer, cfg, env, done)
+        pending, t0 = [], time.perf_counter()
     if env.rank == 0:
         all_records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
         mqar = cfg.data.name == "mqar"
