@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_linattn.cp.comm import all_gather_tensor, backend_for, wire_device
+from cp_linattn.cp.context import gather_index
 from cp_linattn.ops.utils import check_option
 
 if TYPE_CHECKING:
@@ -45,29 +46,11 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # Where every token is
 
 
-def rank_ranges(context: FLACPContext) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Every rank's global token ranges, ascending, indexed by rank (`context.all_ranges`)."""
-    return context.all_ranges
-
-
 def document_starts(cu_seqlens_cpu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """int64 `[L]`: the global index of the first token of the sequence holding each of the
     global token indices `positions` `[L]`, by the global offsets `cu_seqlens_cpu` `[N + 1]`."""
     cu = cu_seqlens_cpu.to(positions.device)
     return cu[torch.bucketize(positions, cu[1:], right=True)]
-
-
-def gather_index(all_ranges, rows: int) -> torch.Tensor:
-    """int64 `[T]` (CPU): for global token t, its row in the flattened all-gather buffer
-    `[W * rows]`, where rank r's local tokens (its ranges concatenated) fill rows
-    `[r * rows, r * rows + local_len_r)`."""
-    index = torch.empty(sum(e - s for ranges in all_ranges for s, e in ranges), dtype=torch.int64)
-    for r, ranges in enumerate(all_ranges):
-        offset = r * rows
-        for s, e in ranges:
-            index[s:e] = torch.arange(offset, offset + e - s)
-            offset += e - s
-    return index
 
 
 @dataclass(eq=False)
@@ -129,8 +112,7 @@ def attention_plan(context: FLACPContext) -> AttentionPlan:
     context lives: every attention layer of a step reads the same one."""
     plan = _PLANS.get(context)
     if plan is None:
-        ranges = rank_ranges(context)
-        plan = plan_from_ranges(context.global_cu_seqlens_cpu, ranges, context.rank, context.device)
+        plan = plan_from_ranges(context.global_cu_seqlens_cpu, context.all_ranges, context.rank, context.device)
         _PLANS[context] = plan
     return plan
 

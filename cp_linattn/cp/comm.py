@@ -87,8 +87,7 @@ def all_gather_parts(x: torch.Tensor, context: FLACPContext) -> torch.Tensor:
     flat = all_gather_tensor(x, context.group).flatten(0, 1)
     if P_max == 1:
         return flat
-    index = torch.tensor([r * P_max + i for r, i in context.chain], device=flat.device)
-    return flat.index_select(0, index)
+    return flat.index_select(0, context.chain_rows.to(flat.device))
 
 
 # gloo companions of NCCL-only groups, by (default group, member ranks): made once, kept for the job.

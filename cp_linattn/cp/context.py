@@ -192,6 +192,13 @@ class FLACPContext:
         return tuple((r, i) for _, r, i in sorted(slots))
 
     @functools.cached_property
+    def chain_rows(self) -> torch.Tensor:
+        """int64 `[num_slots]` on `device`: where each chain slot's row lies in an all-gather of
+        every rank's per-part rows padded to the largest part count (`comm.all_gather_parts`)."""
+        P = max(len(r) for r in self.all_ranges)
+        return torch.tensor([r * P + i for r, i in self.chain], device=self.device)
+
+    @functools.cached_property
     def token_positions(self) -> torch.Tensor:
         """int64 `[local_len]` (CPU): the global index of each local token."""
         return torch.cat([torch.arange(s, e) for s, e in self.ranges])
@@ -338,8 +345,9 @@ def layout_ranges(total_tokens: int, world_size: int, layout: str = "contiguous"
         if split is None and T < W:
             raise ValueError(f"cu_seqlens holds T={T} tokens, fewer than the world size {W}: every rank needs at "
                              "least one token")
-        ends = torch.tensor(_check_split(split, T, W)).cumsum(0).tolist()
-        per_rank = tuple(((e - n, e),) for e, n in zip(ends, _check_split(split, T, W)))
+        sizes = _check_split(split, T, W)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        per_rank = tuple(((e - n, e),) for e, n in zip(ends, sizes))
     merged = []
     for r, pairs in enumerate(per_rank):
         held: list[tuple[int, int]] = []
@@ -572,6 +580,19 @@ def build_cp_context(
     )
 
 
+def gather_index(all_ranges, rows: int) -> torch.Tensor:
+    """int64 `[T]` (CPU): for global token t, its row in the flattened all-gather buffer
+    `[W * rows]`, where rank r's local tokens (its ranges concatenated) fill rows
+    `[r * rows, r * rows + local_len_r)`."""
+    index = torch.empty(sum(e - s for ranges in all_ranges for s, e in ranges), dtype=torch.int64)
+    for r, ranges in enumerate(all_ranges):
+        offset = r * rows
+        for s, e in ranges:
+            index[s:e] = torch.arange(offset, offset + e - s)
+            offset += e - s
+    return index
+
+
 def shard(x: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of a global packed tensor: the concatenation of `x[:, s:e]` over its
     ranges (along `dim`), in the layout's local order.
@@ -601,12 +622,8 @@ def unshard(local: torch.Tensor, context: FLACPContext, dim: int = 1) -> torch.T
     x = local.detach().movedim(dim, 0)
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-    rows = all_gather_tensor(x, context.group)
-    order = torch.cat([torch.arange(s, e) for held in context.all_ranges for s, e in held]).to(x.device)
-    gathered = torch.cat([rows[r, :n] for r, n in enumerate(context.split)])
-    out = torch.empty_like(gathered)
-    out[order] = gathered
-    return out.movedim(0, dim)
+    rows = all_gather_tensor(x, context.group).flatten(0, 1)  # [W * max(split), ...]
+    return rows[gather_index(context.all_ranges, x.shape[0]).to(x.device)].movedim(0, dim)
 
 
 def check_cp_call(context, cu_seqlens, cu_seqlens_cpu=None, **tensors: torch.Tensor) -> torch.Tensor:
