@@ -20,12 +20,10 @@ from cp_linattn.ops.common.chunk_delta_h import (chunk_delta_rule_bwd_dhu, chunk
                                                  delta_state_block_sizes)
 from cp_linattn.ops.common.index import whole_chunk_segments
 
-CHUNK_SIZE = 64
-
 
 def kda_cp_fwd_h(
     kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: torch.Tensor, *, initial_state: torch.Tensor | None,
-    output_final_state: bool, context: FLACPContext, state_v_first: bool, **walk,
+    output_final_state: bool, context: FLACPContext, state_v_first: bool, chunk_size: int, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CPExchange]:
     """`chunk_delta_rule_fwd_h` on this rank's shard, from the state the earlier ranks hand over.
 
@@ -34,8 +32,8 @@ def kda_cp_fwd_h(
     its messages.
 
     Args:
-        kg, w, u, gk, walk: as in `chunk_delta_rule_fwd_h` (walk: cu_seqlens, chunk_indices,
-            chunk_offsets).
+        kg, w, u, gk, chunk_size, walk: as in `chunk_delta_rule_fwd_h` (walk: cu_seqlens,
+            chunk_indices, chunk_offsets).
         initial_state: the user's `[N_global, ...]` states or None, laid out as `state_v_first`.
 
     Returns:
@@ -45,13 +43,13 @@ def kda_cp_fwd_h(
     sends_after_pass = not receives_any(context)
     S_in, exchange = [None] * context.num_parts, None
     if not sends_after_pass:
-        S_in, exchange = walk_incoming_state(kg, w, u, gk, initial_state, context, state_v_first)
+        S_in, exchange = walk_incoming_state(kg, w, u, gk, initial_state, context, state_v_first, chunk_size)
         if state_v_first:
             S_in = [s if s is None else s.transpose(-1, -2) for s in S_in]
     h0 = expand_h0(S_in, initial_state, context, (HV, V, K) if state_v_first else (HV, K, V))
     h, v_new, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, initial_state=h0,
                                           output_final_state=output_final_state or sends_after_pass,
-                                          chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
+                                          chunk_size=chunk_size, state_v_first=state_v_first, **walk)
     if sends_after_pass:
         exchange = send_final_state(ht, context, diagonal=False, state_v_first=state_v_first)
     ht = scatter_final_state(ht, context, context.global_num_seqs, initial_state) if output_final_state else None
@@ -60,13 +58,14 @@ def kda_cp_fwd_h(
 
 def kda_cp_bwd_dhu(
     qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
-    scale: float, *, dht: torch.Tensor | None, need_dh0: bool, exchange: CPExchange, state_v_first: bool, **walk,
+    scale: float, *, dht: torch.Tensor | None, need_dh0: bool, exchange: CPExchange, state_v_first: bool,
+    chunk_size: int, **walk,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`chunk_delta_rule_bwd_dhu` on this rank's shard, with the gradient the later ranks hand
     back (the roles of `kda_cp_fwd_h`, mirrored).
 
     Args:
-        qg, kg, w, gk, do, dv, scale, walk: as in `chunk_delta_rule_bwd_dhu`.
+        qg, kg, w, gk, do, dv, scale, chunk_size, walk: as in `chunk_delta_rule_bwd_dhu`.
         dht: gradient of the `[N_global, ...]` final state, or None.
         need_dh0: the user passed an initial state.
 
@@ -78,9 +77,9 @@ def kda_cp_bwd_dhu(
     if sends_after_pass:
         dht_local = gather_final_state_grad(dht, context)
     else:
-        dht_local = walk_incoming_grad(qg, kg, w, gk, do, dv, scale, dht, exchange, state_v_first)
+        dht_local = walk_incoming_grad(qg, kg, w, gk, do, dv, scale, dht, exchange, state_v_first, chunk_size)
     dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, dht=dht_local,
-                                            need_dh0=need_dh0 or sends_after_pass, chunk_size=CHUNK_SIZE,
+                                            need_dh0=need_dh0 or sends_after_pass, chunk_size=chunk_size,
                                             state_v_first=state_v_first, **walk)
     if sends_after_pass:
         send_first_state_grad(dh0, exchange, state_v_first)
@@ -99,24 +98,27 @@ class FragmentSegments:
 
     Attributes:
         count: S, at most one per chunk (fewer when the chunks do not divide evenly).
+        chunk_size: the walks' chunk size.
         cu_seqlens, chunk_offsets: int64 `[S + 1]` on the device, the kernels' varlen
             arguments (None for S = 1, the plain walk).
         transitions: fp32 `[S, HV, K, K]`, set by `cp_fwd_fragment_h` (None for S = 1).
     """
 
-    def __init__(self, n_tokens: int, count: int, device: torch.device):
-        n_chunks = -(-n_tokens // CHUNK_SIZE)
+    def __init__(self, n_tokens: int, count: int, device: torch.device, chunk_size: int):
+        n_chunks = -(-n_tokens // chunk_size)
+        self.chunk_size = chunk_size
         self.count, per_segment = whole_chunk_segments(n_chunks, count)
         self.cu_seqlens = self.chunk_offsets = None
         if self.count > 1:
-            self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device)
+            self.cu_seqlens, self.chunk_offsets = _segment_offsets(n_tokens, per_segment, self.count, device,
+                                                                   chunk_size)
         self.transitions: torch.Tensor | None = None
 
     @classmethod
-    def filling(cls, n_tokens: int, programs: int, device: torch.device) -> FragmentSegments:
+    def filling(cls, n_tokens: int, programs: int, device: torch.device, chunk_size: int) -> FragmentSegments:
         """As many segments of a walk of `programs` programs as fit the SMs side by side (1
         when one walk fills them: no fold, no extra launch), at most MAX_SEGMENTS."""
-        return cls(n_tokens, min(MAX_SEGMENTS, _parallel_slots(device) // programs), device)
+        return cls(n_tokens, min(MAX_SEGMENTS, _parallel_slots(device) // programs), device, chunk_size)
 
 
 def _parallel_slots(device: torch.device) -> int:
@@ -126,12 +128,12 @@ def _parallel_slots(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.device
+def _segment_offsets(n_tokens: int, per_segment: int, count: int, device: torch.device, chunk_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached: every layer of a step walks the same fragment."""
     starts = torch.arange(count + 1, device=device)
-    n_chunks = -(-n_tokens // CHUNK_SIZE)
-    return ((starts * (per_segment * CHUNK_SIZE)).clamp_(max=n_tokens),
+    n_chunks = -(-n_tokens // chunk_size)
+    return ((starts * (per_segment * chunk_size)).clamp_(max=n_tokens),
             (starts * per_segment).clamp_(max=n_chunks))
 
 
@@ -158,7 +160,7 @@ def cp_fwd_fragment_h(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gk: to
     """
     K, V = kg.shape[3], u.shape[3]
     _, _, ht = chunk_delta_rule_fwd_h(kg, w, u, gk, output_final_state=True, cu_seqlens=segments.cu_seqlens,
-                                      chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
+                                      chunk_offsets=segments.chunk_offsets, chunk_size=segments.chunk_size,
                                       store_chunk_states=False, state_columns=V + K, identity_tail=True,
                                       launch="cp_fwd_fragment_h")
     if segments.count > 1:
@@ -178,12 +180,12 @@ def cp_bwd_fragment_dhu(qg: torch.Tensor, kg: torch.Tensor, w: torch.Tensor, gk:
         raise ValueError(f"segments ({segments.count}) must have been walked by cp_fwd_fragment_h first: "
                          "the fold needs their transitions")
     _, dS, _ = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv, scale, need_dh0=True, cu_seqlens=segments.cu_seqlens,
-                                        chunk_offsets=segments.chunk_offsets, chunk_size=CHUNK_SIZE,
+                                        chunk_offsets=segments.chunk_offsets, chunk_size=segments.chunk_size,
                                         store_chunk_grads=False, launch="cp_bwd_fragment_dhu")
     return _fold_segments(dS, segments.transitions, reverse=True)
 
 
-def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool):
+def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, state_v_first: bool, chunk_size: int):
     """The forward exchange of a rank that receives a state (some part receives), run before
     its local state pass. Each part that sends first walks its last fragment for its message:
     with `cp_fwd_fragment_h` (in segments, kept in the exchange for the backward) when its only
@@ -213,13 +215,13 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
             _, _, ht = chunk_delta_rule_fwd_h(*fragment,
                                               initial_state=user_state_of_last(initial_state, context, part,
                                                                                state_v_first),
-                                              output_final_state=True, chunk_size=CHUNK_SIZE, store_chunk_states=False)
+                                              output_final_state=True, chunk_size=chunk_size, store_chunk_states=False)
             S_ext[i] = ht[0]
             continue
         # Sized for the backward walk (V columns), which reuses these segments; the forward's
         # V + K columns give it twice the programs, which the SMs then run in two rounds.
         _, BV = delta_state_block_sizes("cp_bwd_fragment_dhu", K, V)
-        segments[i] = FragmentSegments.filling(end - start, HV * triton.cdiv(V, BV), kg.device)
+        segments[i] = FragmentSegments.filling(end - start, HV * triton.cdiv(V, BV), kg.device, chunk_size)
         S_ext[i], M[i] = cp_fwd_fragment_h(*fragment, segments[i])
     S_in, exchange = exchange_forward(S_ext, M, context)
     exchange.segments = segments
@@ -227,7 +229,7 @@ def walk_incoming_state(kg, w, u, gk, initial_state, context: FLACPContext, stat
 
 
 def walk_incoming_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, exchange: CPExchange,
-                         state_v_first: bool):
+                       state_v_first: bool, chunk_size: int):
     """The backward exchange of a rank that receives a gradient (some part sends), run before
     its local reverse pass. A receiving part's message is a dhu pass over its first fragment
     from a zero gradient (`cp_bwd_fragment_dhu` over the forward's segments when the part
@@ -256,7 +258,7 @@ def walk_incoming_grad(qg, kg, w, gk, do, dv, scale: float, dht_global, exchange
             dht_first = (dht_first.transpose(-1, -2) if state_v_first else dht_first)[None].contiguous()
         b = part.first_seq_end
         _, dS_ext, _ = chunk_delta_rule_bwd_dhu(qg[:, a:b], kg[:, a:b], w[:, a:b], gk[:, a:b], do[:, a:b], dv[:, a:b],
-                                                scale, dht=dht_first, need_dh0=True, chunk_size=CHUNK_SIZE,
+                                                scale, dht=dht_first, need_dh0=True, chunk_size=chunk_size,
                                                 store_chunk_grads=False)
         return dS_ext[0]
 

@@ -26,9 +26,10 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from cp_linattn.cp.kda import CHUNK_SIZE, FragmentSegments, cp_bwd_fragment_dhu, cp_fwd_fragment_h
+from cp_linattn.cp.kda import FragmentSegments, cp_bwd_fragment_dhu, cp_fwd_fragment_h
 from cp_linattn.ops.common.chunk_delta_h import delta_state_block_sizes
 from cp_linattn.ops.common.cumsum import chunk_local_cumsum
+from cp_linattn.ops.kda.wy import CHUNK_SIZE
 from cp_linattn.ops.launch import LAUNCH
 
 WALK_KERNELS = ("cp_fwd_fragment_h", "cp_bwd_fragment_dhu")
@@ -79,11 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for HV in head_counts:
             x = fragment(T, HV, K, V, device, dtype)
-            plain = walks(x, FragmentSegments(T, 1, torch.device(device)))
+            plain = walks(x, FragmentSegments(T, 1, torch.device(device), CHUNK_SIZE))
             for BV, warps, S in itertools.product(args.BV, args.warps, args.segments):
                 for name in WALK_KERNELS:
                     LAUNCH[name].update(BV=BV, num_warps=warps)
-                segments = FragmentSegments(T, S, torch.device(device))
+                segments = FragmentSegments(T, S, torch.device(device), CHUNK_SIZE)
                 diff = max_rel_diff(walks(x, segments), plain)
                 times = ("-", "-")
                 if not args.smoke:

@@ -59,7 +59,7 @@ def _run_op(op: str, x: dict, extra: dict, options: dict, cu_seqlens, cp_context
         o, ht = chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], **kw)
     else:
         kw.update(use_qk_l2norm_in_kernel=options.get("l2norm", False),
-                  disable_recompute=options.get("disable_recompute", False))
+                  disable_recompute=options.get("disable_recompute", False), chunk_size=options.get("chunk_size", 64))
         if options.get("gate_in_kernel"):
             kw.update(use_gate_in_kernel=True, A_log=params["A_log"], dt_bias=params["dt_bias"],
                       safe_gate=options.get("safe_gate", False), lower_bound=options.get("lower_bound"))
@@ -230,7 +230,7 @@ def test_fragment_segments_are_whole_chunks(n_tokens, programs, cu, offsets):
     every segment but the last is whole chunks, so each chunk is the one of the unsplit walk."""
     from cp_linattn.cp.kda import FragmentSegments
 
-    segments = FragmentSegments.filling(n_tokens, programs, torch.device("cpu"))
+    segments = FragmentSegments.filling(n_tokens, programs, torch.device("cpu"), 64)
     assert segments.count == len(cu) - 1
     if segments.count == 1:  # the plain walk
         assert segments.cu_seqlens is None and segments.chunk_offsets is None
@@ -245,7 +245,7 @@ def test_fragment_segments_fill_the_sms_up_to_eight(monkeypatch, slots, programs
     from cp_linattn.cp import kda as cp_kda
 
     monkeypatch.setattr(cp_kda, "_parallel_slots", lambda device: slots)
-    assert cp_kda.FragmentSegments.filling(8192, programs, torch.device("cpu")).count == count
+    assert cp_kda.FragmentSegments.filling(8192, programs, torch.device("cpu"), 64).count == count
 
 
 @pytest.mark.parametrize("warps,BV", [(4, 64), (8, 128), (2, 32)])
@@ -259,40 +259,40 @@ def test_state_tiles_grow_with_the_warps(monkeypatch, warps, BV):
     assert delta_state_block_sizes("cp_bwd_fragment_dhu", 128, 128) == (128, BV)
 
 
-def _fragment(T: int, HV: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
+def _fragment(T: int, HV: int, K: int, V: int, seed: int, chunk_size: int) -> dict[str, torch.Tensor]:
     """Random fp32 WY-stage tensors of a `[1, T]` fragment (gk a chunk-local cumsum)."""
-    from cp_linattn.cp.kda import CHUNK_SIZE
     from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 
     torch.manual_seed(seed)
-    gk = chunk_local_cumsum(-torch.rand(1, T, HV, K) * 0.2, CHUNK_SIZE)
+    gk = chunk_local_cumsum(-torch.rand(1, T, HV, K) * 0.2, chunk_size)
     x = {name: torch.randn(1, T, HV, K) * 0.1 for name in ("kg", "w", "qg")}  # transitions of norm < 1
     x.update({name: torch.randn(1, T, HV, V) for name in ("u", "do", "dv")})
     return dict(x, gk=gk)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("count", [2, 3, 5])
-def test_segmented_fragment_walks_equal_the_plain_walk(count):
+@pytest.mark.parametrize("count,chunk_size", [(2, 64), (3, 64), (5, 64), (3, 32)])
+def test_segmented_fragment_walks_equal_the_plain_walk(count, chunk_size):
     """The KDA middle-rank messages walked in segments and folded equal the plain walk
     (S = 1), whose [S_ext, M] is the fragment's affine map: final(S0) = M S0 + S_ext."""
     from cp_linattn.cp.kda import FragmentSegments, cp_bwd_fragment_dhu, cp_fwd_fragment_h
     from cp_linattn.ops.common.chunk_delta_h import chunk_delta_rule_fwd_h
 
-    T, HV, K, V = 300, 2, 16, 32  # 5 chunks, the last partial
-    x = _fragment(T, HV, K, V, seed=count)
+    T, HV, K, V = 300, 2, 16, 32  # 5 (or 10) chunks, the last partial
+    x = _fragment(T, HV, K, V, seed=count, chunk_size=chunk_size)
     cpu = torch.device("cpu")
-    plain, segmented = FragmentSegments(T, 1, cpu), FragmentSegments(T, count, cpu)
+    plain, segmented = FragmentSegments(T, 1, cpu, chunk_size), FragmentSegments(T, count, cpu, chunk_size)
     assert plain.count == 1 and segmented.count == count
     S_ext, M = cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], plain)
     S0 = torch.randn(1, HV, K, V)
-    _, _, final = chunk_delta_rule_fwd_h(x["kg"], x["w"], x["u"], x["gk"], S0, True, store_chunk_states=False)
+    _, _, final = chunk_delta_rule_fwd_h(x["kg"], x["w"], x["u"], x["gk"], S0, True, store_chunk_states=False,
+                                         chunk_size=chunk_size)
     torch.testing.assert_close(M @ S0[0] + S_ext, final[0], rtol=1e-5, atol=1e-5)
     for got, ref in zip(cp_fwd_fragment_h(x["kg"], x["w"], x["u"], x["gk"], segmented), (S_ext, M)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="must have been walked by cp_fwd_fragment_h"):
         cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25,
-                           FragmentSegments(T, count, cpu))
+                           FragmentSegments(T, count, cpu, chunk_size))
     grads = [cp_bwd_fragment_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["do"], x["dv"], 0.25, segments)
              for segments in (plain, segmented)]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
@@ -403,8 +403,10 @@ def test_kda_cp_matches_single_rank(world_size, comm, layouts):
         dict(gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, disable_recompute=True, ht=True),
         # slow decay: states (and the K x K transitions) carry across whole ranks
         dict(gate_scale=0.02, h0=True, ht=True),
+        # 32-token chunks: the fragment walks and their segments follow the op's chunk size
+        dict(chunk_size=32, gva=2, h0=True, ht=True),
     ],
-    ids=["gva-gate-l2norm-vfirst", "safe-gate-no-recompute", "slow-decay"],
+    ids=["gva-gate-l2norm-vfirst", "safe-gate-no-recompute", "slow-decay", "chunk-size-32"],
 )
 def test_kda_cp_options(options):
     _check_cases("kda", 3, _cases(3, "all_gather", **options)[:2] + _cases(3, "send_recv", **options)[2:])

@@ -3,7 +3,7 @@
 FLA's chunk_gla / chunk_kda and ours are called with the same arguments, across the keyword
 set they share (state_v_first, initial and final states, int32 cu_seqlens with and without
 cu_seqlens_cpu, l2norm, the in-kernel gate with A_log / dt_bias, safe_gate / lower_bound,
-beta from logits, allow_neg_eigval, disable_recompute, GVA), in bf16 at K = V = 128. Both are
+beta from logits, allow_neg_eigval, disable_recompute, GVA, chunk_size 32), in bf16 at K = V = 128. Both are
 compared with the fp32 reference (`ops/*/naive.py`) on the same rounded inputs, output and
 every gradient: ours must be no less accurate than FLA's, an RMS error at most 1.5 times
 FLA's, or at most 1e-2 of the reference's RMS.
@@ -100,6 +100,7 @@ KDA_CASES = {
     "beta-logits-neg-eigval-gva": dict(l2=True, beta_logits=True, allow_neg_eigval=True, gva=2),
     "disable-recompute-gate-v-first": dict(varlen=True, l2=True, gate="softplus", disable_recompute=True,
                                            state_v_first=True),
+    "chunk-size-32-gate-gva": dict(varlen=True, l2=True, gate="softplus", gva=2, chunk_size=32),
 }
 
 
@@ -108,7 +109,8 @@ def _kda_options(opts: dict) -> dict:
     kw = dict(use_qk_l2norm_in_kernel=opts.get("l2", False), use_gate_in_kernel="gate" in opts,
               use_beta_sigmoid_in_kernel=opts.get("beta_logits", False),
               allow_neg_eigval=opts.get("allow_neg_eigval", False),
-              disable_recompute=opts.get("disable_recompute", False), state_v_first=opts.get("state_v_first", False))
+              disable_recompute=opts.get("disable_recompute", False), state_v_first=opts.get("state_v_first", False),
+              chunk_size=opts.get("chunk_size", 64))
     if opts.get("gate") == "lower_bound":
         kw.update(safe_gate=True, lower_bound=-5.0)
     return kw

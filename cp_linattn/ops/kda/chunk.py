@@ -13,7 +13,7 @@ from cp_linattn.ops.common.l2norm import l2norm_bwd, l2norm_fwd
 from cp_linattn.ops.kda.chunk_bwd import chunk_kda_bwd
 from cp_linattn.ops.kda.chunk_fwd import ChunkKDAIntra, KDAGate, chunk_kda_fwd
 from cp_linattn.ops.kda.gate import beta_sigmoid, beta_sigmoid_bwd
-from cp_linattn.ops.kda.wy import CHUNK_SIZE
+from cp_linattn.ops.kda.wy import CHUNK_SIZE, CHUNK_SIZES
 from cp_linattn.ops.utils import (check_flag, check_scale, check_tensor, kernel_state, prepare_varlen_chunks,
                                   refuse_double_backward, save_for_backward, saved_tensors, transpose_state)
 
@@ -67,6 +67,7 @@ class ChunkKDAOptions:
     beta_scale: float | None  # use_beta_sigmoid_in_kernel: beta = beta_scale * sigmoid(beta); else None
     disable_recompute: bool
     state_v_first: bool
+    chunk_size: int
 
 
 @dataclass
@@ -93,7 +94,7 @@ def chunk_kda_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opt: Chun
     inference path (`return_intermediate_states`)."""
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:
-        chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE)
+        chunk_indices, chunk_offsets = prepare_varlen_chunks(cu_seqlens, cu_seqlens_cpu, opt.chunk_size)
     qn, kn = (l2norm_fwd(q), l2norm_fwd(k)) if opt.use_qk_l2norm_in_kernel else (q, k)
     if opt.beta_scale is not None:
         beta = beta_sigmoid(beta, opt.beta_scale)
@@ -101,7 +102,7 @@ def chunk_kda_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opt: Chun
     o, final_state, intra, h, v_new, exchange = chunk_kda_fwd(
         qn, kn, v, g, beta, opt.scale, initial_state=initial_state, output_final_state=opt.output_final_state,
         gate=gate, state_v_first=opt.state_v_first, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-        chunk_offsets=chunk_offsets, cp_context=cp_context,
+        chunk_offsets=chunk_offsets, cp_context=cp_context, chunk_size=opt.chunk_size,
     )
     return ChunkKDARun(o, final_state, intra, h, v_new, exchange, qn, kn, beta, chunk_indices, chunk_offsets)
 
@@ -193,9 +194,8 @@ def _check_fla_options(flags: dict[str, bool], chunk_size, max_num_seqs) -> None
                          "from logits, as in FLA), got use_beta_sigmoid_in_kernel=False")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__} {chunk_size!r}")
-    if chunk_size != CHUNK_SIZE:
-        raise ValueError(f"chunk_size must be {CHUNK_SIZE}: the KDA kernels of cp_linattn run {CHUNK_SIZE}-token "
-                         f"chunks only (FLA also takes 32), got {chunk_size}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 32 or 64 (as in FLA), got {chunk_size}")
     if flags["use_graph"]:
         raise ValueError(
             "use_graph=True is not supported: FLA's graph mode (a fixed-size chunk list rebuilt on the device, so "
@@ -276,7 +276,7 @@ def chunk_kda(
         return_intermediate_states: for inference (under `torch.inference_mode()`, with
             disable_recompute=False, as FLA asserts): also return the states entering every
             chunk, h `[B, NT, HV, K, V]` (`[B, NT, HV, V, K]` with `state_v_first`) in k's dtype,
-            NT = cdiv(T, 64) per row, or every chunk of the packed batch with cu_seqlens (B = 1).
+            NT = cdiv(T, chunk_size) per row, or every chunk of the packed batch with cu_seqlens (B = 1).
         state_v_first: states stored `[V, K]` per head.
         cu_seqlens: int32 or int64 `[N + 1]` offsets of a packed batch (B == 1).
         cu_seqlens_cpu: the same offsets on the CPU (int32 or int64), to spare the one
@@ -297,7 +297,9 @@ def chunk_kda(
         use_graph, max_num_seqs: FLA's graph mode; only use_graph=False / max_num_seqs=None are
             accepted (capture the op as it is instead: see the ValueError for use_graph=True).
         A_log, dt_bias: the in-kernel gate's parameters (keyword-only).
-        chunk_size: 64, the kernels' chunk size (FLA's other choice, 32, raises ValueError).
+        chunk_size: tokens per chunk, 64 or 32 (keyword-only, as in FLA). Same results up to
+            rounding; 64 is faster, 32 has smaller per-chunk matrices (FLA's choice for some
+            inference shapes). Other values raise ValueError.
 
     Numerics: the delta rule is only stable when `beta_t * |k_t|^2 <= 2` (each update
     `I - beta k k^T` must be a contraction); with beta near 1 that needs L2-normalised keys.
@@ -332,13 +334,14 @@ def chunk_kda(
         "chunk_kda", cp_context, check,
         lambda call: call_signature(cp_context, call[0], q, g, call[1], initial_state, lower_bound=call[3],
                                     A_log=None if A_log is None else list(A_log.shape),
-                                    dt_bias=None if dt_bias is None else list(dt_bias.shape), **call[2]))
+                                    dt_bias=None if dt_bias is None else list(dt_bias.shape), chunk_size=chunk_size,
+                                    **call[2]))
     opt = ChunkKDAOptions(
         scale=scale_, output_final_state=flags["output_final_state"],
         use_qk_l2norm_in_kernel=flags["use_qk_l2norm_in_kernel"], use_gate_in_kernel=flags["use_gate_in_kernel"],
         lower_bound=bound, beta_scale=(2.0 if flags["allow_neg_eigval"] else 1.0)
         if flags["use_beta_sigmoid_in_kernel"] else None,
-        disable_recompute=flags["disable_recompute"], state_v_first=flags["state_v_first"])
+        disable_recompute=flags["disable_recompute"], state_v_first=flags["state_v_first"], chunk_size=chunk_size)
     args = (q, k, v, g, beta, A_log, dt_bias, kernel_state(initial_state), opt, dims.cu_seqlens, dims.cu_seqlens_cpu,
             cp_context)
     if flags["return_intermediate_states"]:

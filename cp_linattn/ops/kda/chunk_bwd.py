@@ -41,7 +41,7 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, launch_takes_block, nonfinite_part
 from cp_linattn.ops.kda.chunk_fwd import ChunkKDAIntra, KDAGate
 from cp_linattn.ops.kda.gate import kda_gate_bwd_cumsum
-from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_intra, wy_chunk_rows
+from cp_linattn.ops.kda.wy import SUB_CHUNK_SIZE, chunk_kda_fwd_intra, wy_chunk_rows
 from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tile, tiles
 
 
@@ -344,16 +344,16 @@ def _output_buffer(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def chunk_kda_bwd_dAv(
     *, v_new: torch.Tensor, Aqk: torch.Tensor, do: torch.Tensor, scale: float,
-    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None,
+    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dS fp32 `[B, T, HV, 64]`, dv fp32 `[B, T, HV, V]`) of step 1."""
+    """(dS fp32 `[B, T, HV, chunk_size]`, dv fp32 `[B, T, HV, V]`) of step 1."""
     B, T, HV, V = v_new.shape
-    NT = _num_chunks(T, cu_seqlens, chunk_indices)
+    NT = _num_chunks(T, cu_seqlens, chunk_indices, chunk_size)
     dS, dv = torch.empty_like(Aqk), torch.empty_like(v_new, dtype=torch.float32)
     if NT * B * HV > 0:
         chunk_kda_bwd_kernel_dAv[(NT, B * HV)](
             v_new, Aqk, do, dS, dv, cu_seqlens, chunk_indices, float(scale), T,
-            HV=HV, V=V, BT=CHUNK_SIZE, BV=tile("chunk_kda_bwd_dAv", "BV", V), IS_VARLEN=cu_seqlens is not None,
+            HV=HV, V=V, BT=chunk_size, BV=tile("chunk_kda_bwd_dAv", "BV", V), IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=dot_precision(do.dtype), **launch_options("chunk_kda_bwd_dAv"),
         )
     return dS, dv
@@ -361,45 +361,45 @@ def chunk_kda_bwd_dAv(
 
 def chunk_kda_bwd_wy_dqkg(
     *, q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL, scale: float,
-    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None,
+    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None, chunk_size: int,
 ) -> None:
     """Step 3, into the fp32 partials dq, dk, dgk, dbeta, dL and the final dv."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    NT = _num_chunks(T, cu_seqlens, chunk_indices)
+    NT = _num_chunks(T, cu_seqlens, chunk_indices, chunk_size)
     BK, BV = tiles("chunk_kda_bwd_wy_dqkg", K, V)
     if NT * B * HV > 0:
         chunk_kda_bwd_kernel_wy_dqkg[(NT, B * HV)](
             q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL,
             cu_seqlens, chunk_indices, float(scale), T,
-            H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
+            H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=dot_precision(k.dtype), **launch_options("chunk_kda_bwd_wy_dqkg"),
         )
 
 
 def chunk_kda_bwd_intra(
     *, q, k, gk, beta, exact_blocks, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta,
-    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None,
+    cu_seqlens: torch.LongTensor | None, chunk_indices: torch.Tensor | None, chunk_size: int,
 ) -> None:
     """Step 4: completes dq, dk, dbeta (in their buffers' dtypes) and dgk, in two launches
     (each sub-chunk runs in one: the dot path or the exact diagonal blocks)."""
     B, T, H, K = q.shape
     HV = gk.shape[2]
-    NT = _num_chunks(T, cu_seqlens, chunk_indices)
+    NT = _num_chunks(T, cu_seqlens, chunk_indices, chunk_size)
     if NT * B * HV == 0:
         return
     for exact in (False, True):
         launcher = exact_path_key("chunk_kda_bwd_intra", exact)
-        chunk_kda_bwd_kernel_intra[(NT * (CHUNK_SIZE // SUB_CHUNK_SIZE), B * H)](
+        chunk_kda_bwd_kernel_intra[(NT * (chunk_size // SUB_CHUNK_SIZE), B * H)](
             q, k, gk, beta, exact_blocks, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens,
-            chunk_indices, T, H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE,
+            chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BC=SUB_CHUNK_SIZE,
             BK=tile(launcher, "BK", K), IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
             EXACT_DIAGONAL=exact, **launch_options(launcher),
         )
 
 
-def _num_chunks(T: int, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None) -> int:
-    return triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+def _num_chunks(T: int, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None, chunk_size: int) -> int:
+    return triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
 
 
 def chunk_kda_bwd(
@@ -416,7 +416,7 @@ def chunk_kda_bwd(
     from the forward) dht and dh0 are those of the user's `[N_global, ...]` states.
 
     intra: the forward's gk, exact_blocks, Aqk, Akk, with w, qg, kg (`disable_recompute`)
-    or None in their place (rebuilt here). h, v_new: the forward's.
+    or None in their place (rebuilt here); its chunk size is the backward's. h, v_new: the forward's.
     do: `[B, T, HV, V]`; dht: gradient of the final state (layout as the states) or None.
     dqk_dtype: dtype of the returned dq, dk, q's by default; fp32 when a further backward
     (the l2norm's) consumes them.
@@ -428,20 +428,20 @@ def chunk_kda_bwd(
     """
     B, T, H, K = q.shape
     HV = v.shape[2]
-    gk = intra.gk
+    gk, chunk_size = intra.gk, intra.chunk_size
     w, qg, kg = intra.w, intra.qg, intra.kg
     if w is None:
         w, _, qg, kg, _, _ = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens=cu_seqlens,
                                                  chunk_indices=chunk_indices, Aqk=intra.Aqk, Akk=intra.Akk,
-                                                 compute_u=False)
+                                                 chunk_size=chunk_size, compute_u=False)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     do = do.to(k.dtype)
-    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    varlen = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size)
     dS, dv_o = chunk_kda_bwd_dAv(v_new=v_new, Aqk=intra.Aqk, do=do, scale=scale, **varlen)
     walk = dict(chunk_offsets=chunk_offsets, **varlen)
     if exchange is None:
         dh, dh0, dv2 = chunk_delta_rule_bwd_dhu(qg, kg, w, gk, do, dv_o, scale, dht=dht, need_dh0=need_dh0,
-                                                chunk_size=CHUNK_SIZE, state_v_first=state_v_first, **walk)
+                                                state_v_first=state_v_first, **walk)
     else:
         dh, dh0, dv2 = kda_cp_bwd_dhu(qg, kg, w, gk, do, dv_o, scale, dht=dht, need_dh0=need_dh0, exchange=exchange,
                                       state_v_first=state_v_first, **walk)
@@ -464,9 +464,9 @@ def chunk_kda_bwd(
                         dk_part=dk_part, dgk=dgk, dbeta_part=dbeta_part, dq=dq, dk=dk, dbeta=dbeta, **varlen)
     dA_log = ddt_bias = None
     if gate is not None:
-        dg, dA_log, ddt_bias = kda_gate_bwd_cumsum(g, gate.A_log, gate.dt_bias, dgk, gate.lower_bound, CHUNK_SIZE,
+        dg, dA_log, ddt_bias = kda_gate_bwd_cumsum(g, gate.A_log, gate.dt_bias, dgk, gate.lower_bound, chunk_size,
                                                    cu_seqlens, chunk_indices)
     else:
-        dg = chunk_local_cumsum(dgk, CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        dg = chunk_local_cumsum(dgk, chunk_size, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
                                 output_dtype=g.dtype)
     return dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias

@@ -69,19 +69,19 @@ def chunk_kda_fwd_kernel_o(
 def chunk_kda_fwd_o(
     qg: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, Aqk: torch.Tensor, scale: float,
     cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:
     """o `[B, T, HV, V]` from qg `[B, T, HV, K]`, v_new `[B, T, HV, V]`, h fp32
-    `[B, NT, HV, K, V]` and Aqk fp32 `[B, T, HV, 64]`."""
+    `[B, NT, HV, K, V]` and Aqk fp32 `[B, T, HV, chunk_size]`."""
     B, T, HV, K = qg.shape
     V = v_new.shape[-1]
     o = v_new.new_empty(B, T, HV, V, dtype=out_dtype or v_new.dtype)
-    NT = triton.cdiv(T, CHUNK_SIZE) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     BK, BV = tiles("chunk_kda_fwd_o", K, V)
     if NT * B * HV > 0:
         chunk_kda_fwd_kernel_o[(triton.cdiv(V, BV), NT, B * HV)](
             qg, v_new.to(qg.dtype).contiguous(), h, Aqk, o, cu_seqlens, chunk_indices, float(scale), T,
-            HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
+            HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
             **launch_options("chunk_kda_fwd_o"),
         )
@@ -90,19 +90,19 @@ def chunk_kda_fwd_o(
 
 def chunk_kda_gate_cumsum(
     g: torch.Tensor, gate: KDAGate | None = None, cu_seqlens: torch.LongTensor | None = None,
-    chunk_indices: torch.Tensor | None = None, span_limit: float = SAFE_SPAN,
+    chunk_indices: torch.Tensor | None = None, span_limit: float = SAFE_SPAN, chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 chunk-local cumsum `[B, T, HV, K]` of the log gate (applying the in-kernel gate to
     raw g first), and int32 `exact_blocks` `[NT_all, HV]`: per chunk, the bits of its 16-token
     diagonal blocks whose gate span exceeds `span_limit` (`cp_linattn.ops.common.intra`)."""
     B, T, HV, _ = g.shape
-    exact_blocks = new_exact_block_bits(B, T, HV, CHUNK_SIZE, chunk_indices, g.device)
+    exact_blocks = new_exact_block_bits(B, T, HV, chunk_size, chunk_indices, g.device)
     blocks = dict(exact_blocks=exact_blocks, sub_chunk_size=SUB_CHUNK_SIZE, span_limit=span_limit)
     if gate is not None:
-        gk = kda_gate_fwd_cumsum(g, gate.A_log, gate.dt_bias, gate.lower_bound, CHUNK_SIZE, cu_seqlens, chunk_indices,
+        gk = kda_gate_fwd_cumsum(g, gate.A_log, gate.dt_bias, gate.lower_bound, chunk_size, cu_seqlens, chunk_indices,
                                  **blocks)
     else:
-        gk = chunk_local_cumsum(g, CHUNK_SIZE, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, **blocks)
+        gk = chunk_local_cumsum(g, chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, **blocks)
     return gk, exact_blocks
 
 
@@ -121,7 +121,7 @@ class ChunkKDAIntra:
     """The per-chunk quantities of KDA before the state recurrence (`chunk_kda_fwd_prepare`):
     gk fp32 gate cumsum `[B, T, HV, K]` and its exact_blocks (`chunk_kda_gate_cumsum`); w, qg,
     kg `[B, T, HV, K]` and u `[B, T, HV, V]` in k's dtype; Aqk and Akk (the inverse
-    (I + Akk)^-1), fp32 `[B, T, HV, 64]`."""
+    (I + Akk)^-1), fp32 `[B, T, HV, BT]` (BT the chunk size: `chunk_size`)."""
     gk: torch.Tensor
     exact_blocks: torch.Tensor
     w: torch.Tensor
@@ -131,10 +131,16 @@ class ChunkKDAIntra:
     Aqk: torch.Tensor
     Akk: torch.Tensor
 
+    @property
+    def chunk_size(self) -> int:
+        """The chunk size these quantities were built with (Aqk's rows hold one chunk)."""
+        return self.Aqk.shape[-1]
+
 
 def chunk_kda_fwd_prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     gate: KDAGate | None = None, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
 ) -> ChunkKDAIntra:
     """The per-chunk quantities of a batch (or a `[1, T_frag, ...]` fragment), before the
     state recurrence.
@@ -143,15 +149,16 @@ def chunk_kda_fwd_prepare(
         q, k: `[B, T, H, K]`, already L2-normalised if the op normalises them;
             v: `[B, T, HV, V]`; g: `[B, T, HV, K]` log gate (the raw input with `gate`);
             beta: `[B, T, HV]`; gate: the in-kernel gate's parameters, or None.
-        chunk_indices: `prepare_chunk_indices(cu_seqlens, 64)` when varlen.
+        chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
 
     A fragment's transition is then `chunk_delta_rule_fwd_h(kg, w, zeros_like(w), gk,
     initial_state=I)` and its state from a zero start `chunk_delta_rule_fwd_h(kg, w, u, gk)`.
     """
     gk, exact_blocks = chunk_kda_gate_cumsum(g, gate, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                                             span_limit=span_limit(k.dtype))
+                                             span_limit=span_limit(k.dtype), chunk_size=chunk_size)
     w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q, k, v, gk, beta, scale, cu_seqlens=cu_seqlens,
-                                                 chunk_indices=chunk_indices, exact_blocks=exact_blocks)
+                                                 chunk_indices=chunk_indices, exact_blocks=exact_blocks,
+                                                 chunk_size=chunk_size)
     return ChunkKDAIntra(gk=gk, exact_blocks=exact_blocks, w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, Akk=Akk)
 
 
@@ -159,7 +166,7 @@ def chunk_kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False, gate: KDAGate | None = None,
     state_v_first: bool = False, cu_seqlens: torch.LongTensor | None = None, chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None, cp_context: FLACPContext | None = None,
+    chunk_offsets: torch.Tensor | None = None, cp_context: FLACPContext | None = None, chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None, ChunkKDAIntra, torch.Tensor, torch.Tensor, CPExchange | None]:
     """Forward of chunked KDA on validated inputs (q, k already normalised if asked).
 
@@ -170,17 +177,17 @@ def chunk_kda_fwd(
     quantities, h (fp32 `[B, NT, HV, K, V]`), v_new, and under CP the exchange.
     """
     intra = chunk_kda_fwd_prepare(q, k, v, g, beta, scale, gate=gate, cu_seqlens=cu_seqlens,
-                                  chunk_indices=chunk_indices)
+                                  chunk_indices=chunk_indices, chunk_size=chunk_size)
     walk = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
     exchange = None
     if cp_context is None:
         h, v_new, ht = chunk_delta_rule_fwd_h(intra.kg, intra.w, intra.u, intra.gk, initial_state=initial_state,
-                                              output_final_state=output_final_state, chunk_size=CHUNK_SIZE,
+                                              output_final_state=output_final_state, chunk_size=chunk_size,
                                               state_v_first=state_v_first, **walk)
     else:
         h, v_new, ht, exchange = kda_cp_fwd_h(intra.kg, intra.w, intra.u, intra.gk, initial_state=initial_state,
                                               output_final_state=output_final_state, context=cp_context,
-                                              state_v_first=state_v_first, **walk)
+                                              state_v_first=state_v_first, chunk_size=chunk_size, **walk)
     o = chunk_kda_fwd_o(qg=intra.qg, v_new=v_new, h=h, Aqk=intra.Aqk, scale=scale, cu_seqlens=cu_seqlens,
-                        chunk_indices=chunk_indices, out_dtype=v.dtype)
+                        chunk_indices=chunk_indices, out_dtype=v.dtype, chunk_size=chunk_size)
     return o, ht, intra, h, v_new, exchange

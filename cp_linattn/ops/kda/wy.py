@@ -1,6 +1,6 @@
 """Intra-chunk part of KDA: the WY representation of one chunk's delta-rule updates.
 
-Per chunk of BT = 64 tokens, value head and chunk-local gate cumsum gk (all `[BT, K]`):
+Per chunk of BT = 64 (or 32) tokens, value head and chunk-local gate cumsum gk (all `[BT, K]`):
 
     Akk[i, j] = beta_i * sum_c k_ic k_jc exp(gk_ic - gk_jc)     i > j   (strictly lower)
     Aqk[i, j] = scale  * sum_c q_ic k_jc exp(gk_ic - gk_jc)     i >= j
@@ -15,7 +15,7 @@ Overflow: exp(gk_i - gk_j) <= 1 for i >= j, but exp(gk_i) exp(-gk_j) is not usab
 strong decay. Rows come in sub-chunks of BC = 16; for a row i of sub-chunk I (first row f) and
 a column j of an earlier sub-chunk J (last row l) the difference is split in three,
 `exp(gk_i - gk_f) * exp(gk_f - gk_l) * exp(gk_l - gk_j)`, every factor <= 1, so a tensor-core
-dot handles each of the six off-diagonal 16 x 16 blocks; the first and last factors are formed
+dot handles each of the six (one with BT = 32) off-diagonal 16 x 16 blocks; the first and last factors are formed
 once per sub-chunk, the middle one is a K-vector per pair. The diagonal 16 x 16 blocks split
 at their middle row and take a dot too when the gates' span allows it (log-sigmoid gates and
 the safe gate with lower_bound >= -5 do); otherwise the block is bisected four times, one
@@ -39,6 +39,7 @@ from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, 
 from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
 
 CHUNK_SIZE = 64
+CHUNK_SIZES = (32, 64)  # FLA's choices; a chunk holds 2 or 4 sub-chunks
 SUB_CHUNK_SIZE = 16
 
 
@@ -72,28 +73,31 @@ def substitution_step(a_ptr, r0, i, b_x, chunk_len, stride, BC: tl.constexpr):
 
 
 @triton.jit
-def invert_diagonal_sub_blocks(a_ptr, chunk_len, stride, BC: tl.constexpr):
-    """(I + L)^-1 of each of the four strictly lower diagonal [BC, BC] blocks of a chunk's
-    matrix, by forward substitution; the four independent chains advance in one loop so that
-    their latencies overlap."""
+def invert_diagonal_sub_blocks(a_ptr, chunk_len, stride, BC: tl.constexpr, NC: tl.constexpr):
+    """(I + L)^-1 of each of the NC (2 or 4) strictly lower diagonal [BC, BC] blocks of a chunk's
+    matrix, by forward substitution; the independent chains advance in one loop so that
+    their latencies overlap. With NC = 2 the last two are identities (unused)."""
     o = tl.arange(0, BC)
     b_x0 = (o[:, None] == o[None, :]).to(tl.float32)
     b_x1, b_x2, b_x3 = b_x0, b_x0, b_x0
     for i in range(1, BC):
         b_x0 = substitution_step(a_ptr, 0, i, b_x0, chunk_len, stride, BC)
         b_x1 = substitution_step(a_ptr, BC, i, b_x1, chunk_len, stride, BC)
-        b_x2 = substitution_step(a_ptr, 2 * BC, i, b_x2, chunk_len, stride, BC)
-        b_x3 = substitution_step(a_ptr, 3 * BC, i, b_x3, chunk_len, stride, BC)
+        if NC == 4:
+            b_x2 = substitution_step(a_ptr, 2 * BC, i, b_x2, chunk_len, stride, BC)
+            b_x3 = substitution_step(a_ptr, 3 * BC, i, b_x3, chunk_len, stride, BC)
     return b_x0, b_x1, b_x2, b_x3
 
 
 @triton.jit
-def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.constexpr):
-    """The four [BC, BC] blocks of rows r0..r0+BC of a chunk's [4 BC, 4 BC] matrix."""
+def store_block_row(a_ptr, r0, b_0, b_1, b_2, b_3, chunk_len, stride, BC: tl.constexpr, NC: tl.constexpr):
+    """The NC [BC, BC] blocks of rows r0..r0+BC of a chunk's [NC BC, NC BC] matrix (b_2, b_3
+    only with NC = 4: the matrix rows are NC BC wide)."""
     store_sub_block(a_ptr, r0, 0, b_0, chunk_len, stride, BC)
     store_sub_block(a_ptr, r0, BC, b_1, chunk_len, stride, BC)
-    store_sub_block(a_ptr, r0, 2 * BC, b_2, chunk_len, stride, BC)
-    store_sub_block(a_ptr, r0, 3 * BC, b_3, chunk_len, stride, BC)
+    if NC == 4:
+        store_sub_block(a_ptr, r0, 2 * BC, b_2, chunk_len, stride, BC)
+        store_sub_block(a_ptr, r0, 3 * BC, b_3, chunk_len, stride, BC)
 
 
 @triton.jit
@@ -193,7 +197,8 @@ def chunk_kda_fwd_kernel_intra(
     b_beta = tl.load(beta + hv_rows, mask=m_c, other=0).to(tl.float32)
 
     if COMPUTE_A:
-        tl.static_assert(BT == 4 * BC, "the block merge below is written for 4 sub-chunks")
+        NC: tl.constexpr = BT // BC
+        tl.static_assert(NC * BC == BT and (NC == 2 or NC == 4), "the block merge is written for 2 or 4 sub-chunks")
         chunk_row0 = bos + t0
         b_aqk_00 = tl.zeros([BC, BC], dtype=tl.float32)
         b_aqk_11, b_aqk_22, b_aqk_33 = b_aqk_00, b_aqk_00, b_aqk_00
@@ -218,43 +223,46 @@ def chunk_kda_fwd_kernel_intra(
             b_sq, b_sk = off_diagonal_scores(b_qf1, b_kf1, b_gf1, b_kl0, b_gl0, DOT_PRECISION)
             b_aqk_10 += b_sq
             b_akk_10 += b_sk
-            b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
-                EXACT_DIAGONAL)
-            b_aqk_22 += b_sq
-            b_akk_22 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PRECISION)
-            b_aqk_20 += b_sq
-            b_akk_20 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PRECISION)
-            b_aqk_21 += b_sq
-            b_akk_21 += b_sk
-            b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
-                q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
-                EXACT_DIAGONAL)
-            b_aqk_33 += b_sq
-            b_akk_33 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PRECISION)
-            b_aqk_30 += b_sq
-            b_akk_30 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PRECISION)
-            b_aqk_31 += b_sq
-            b_akk_31 += b_sk
-            b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PRECISION)
-            b_aqk_32 += b_sq
-            b_akk_32 += b_sk
+            if NC == 4:
+                b_qf2, b_kf2, b_kl2, b_gf2, b_gl2, b_sq, b_sk = sub_chunk_factors(
+                    q, k, gk, chunk_row0, 2 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
+                    EXACT_DIAGONAL)
+                b_aqk_22 += b_sq
+                b_akk_22 += b_sk
+                b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl0, b_gl0, DOT_PRECISION)
+                b_aqk_20 += b_sq
+                b_akk_20 += b_sk
+                b_sq, b_sk = off_diagonal_scores(b_qf2, b_kf2, b_gf2, b_kl1, b_gl1, DOT_PRECISION)
+                b_aqk_21 += b_sq
+                b_akk_21 += b_sk
+                b_qf3, b_kf3, b_kl3, b_gf3, b_gl3, b_sq, b_sk = sub_chunk_factors(
+                    q, k, gk, chunk_row0, 3 * BC, chunk_len, i_h, i_hv, o_k, m_k, H, HV, K, BC, DOT_PRECISION,
+                    EXACT_DIAGONAL)
+                b_aqk_33 += b_sq
+                b_akk_33 += b_sk
+                b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl0, b_gl0, DOT_PRECISION)
+                b_aqk_30 += b_sq
+                b_akk_30 += b_sk
+                b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl1, b_gl1, DOT_PRECISION)
+                b_aqk_31 += b_sq
+                b_akk_31 += b_sk
+                b_sq, b_sk = off_diagonal_scores(b_qf3, b_kf3, b_gf3, b_kl2, b_gl2, DOT_PRECISION)
+                b_aqk_32 += b_sq
+                b_akk_32 += b_sk
         o_b = tl.arange(0, BC)
         b_0 = tl.zeros([BC, BC], dtype=tl.float32)
         with_diag = o_b[:, None] >= o_b[None, :]
         strict = o_b[:, None] > o_b[None, :]
         a_ptr = Aqk + a_off
-        store_block_row(a_ptr, 0, tl.where(with_diag, b_aqk_00, 0) * scale, b_0, b_0, b_0, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 0, tl.where(with_diag, b_aqk_00, 0) * scale, b_0, b_0, b_0, chunk_len, a_stride, BC,
+                        NC)
         store_block_row(a_ptr, BC, b_aqk_10 * scale, tl.where(with_diag, b_aqk_11, 0) * scale, b_0, b_0,
-                        chunk_len, a_stride, BC)
-        store_block_row(a_ptr, 2 * BC, b_aqk_20 * scale, b_aqk_21 * scale, tl.where(with_diag, b_aqk_22, 0) * scale,
-                        b_0, chunk_len, a_stride, BC)
-        store_block_row(a_ptr, 3 * BC, b_aqk_30 * scale, b_aqk_31 * scale, b_aqk_32 * scale,
-                        tl.where(with_diag, b_aqk_33, 0) * scale, chunk_len, a_stride, BC)
+                        chunk_len, a_stride, BC, NC)
+        if NC == 4:
+            store_block_row(a_ptr, 2 * BC, b_aqk_20 * scale, b_aqk_21 * scale,
+                            tl.where(with_diag, b_aqk_22, 0) * scale, b_0, chunk_len, a_stride, BC, NC)
+            store_block_row(a_ptr, 3 * BC, b_aqk_30 * scale, b_aqk_31 * scale, b_aqk_32 * scale,
+                            tl.where(with_diag, b_aqk_33, 0) * scale, chunk_len, a_stride, BC, NC)
         # Akk rows take their beta: L = beta_i k_i . k_j exp(gk_i - gk_j), strictly lower
         beta_rows = (chunk_row0 + o_b) * HV + i_hv
         b_b0 = tl.load(beta + beta_rows, mask=o_b < chunk_len, other=0).to(tl.float32)[:, None]
@@ -265,8 +273,9 @@ def chunk_kda_fwd_kernel_intra(
         a_ptr = Akk + a_off
         store_sub_block(a_ptr, 0, 0, tl.where(strict, b_akk_00, 0) * b_b0, chunk_len, a_stride, BC)
         store_sub_block(a_ptr, BC, BC, tl.where(strict, b_akk_11, 0) * b_b1, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 2 * BC, 2 * BC, tl.where(strict, b_akk_22, 0) * b_b2, chunk_len, a_stride, BC)
-        store_sub_block(a_ptr, 3 * BC, 3 * BC, tl.where(strict, b_akk_33, 0) * b_b3, chunk_len, a_stride, BC)
+        if NC == 4:
+            store_sub_block(a_ptr, 2 * BC, 2 * BC, tl.where(strict, b_akk_22, 0) * b_b2, chunk_len, a_stride, BC)
+            store_sub_block(a_ptr, 3 * BC, 3 * BC, tl.where(strict, b_akk_33, 0) * b_b3, chunk_len, a_stride, BC)
         # Non-finite entries of L left out of the merge's dots (the rows of the diagonal inverses
         # that they reach are non-finite already): against those inverses' exact zeros above the
         # diagonal they would make entries NaN that they do not reach.
@@ -275,23 +284,25 @@ def chunk_kda_fwd_kernel_intra(
         b_l30, b_l31, b_l32 = (finite_or_zero(b_akk_30 * b_b3), finite_or_zero(b_akk_31 * b_b3),
                                finite_or_zero(b_akk_32 * b_b3))
         tl.debug_barrier()
-        b_x0, b_x1, b_x2, b_x3 = invert_diagonal_sub_blocks(a_ptr, chunk_len, a_stride, BC)
+        b_x0, b_x1, b_x2, b_x3 = invert_diagonal_sub_blocks(a_ptr, chunk_len, a_stride, BC, NC)
         # block forward substitution: X_ij = -X_ii sum_{j <= m < i} L_im X_mj
         b_x10 = -tl.dot(b_x1, tl.dot(b_l10, b_x0, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        b_x21 = -tl.dot(b_x2, tl.dot(b_l21, b_x1, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        b_x20 = -tl.dot(b_x2, tl.dot(b_l20, b_x0, input_precision=DOT_PRECISION)
-                        + tl.dot(b_l21, b_x10, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        b_x32 = -tl.dot(b_x3, tl.dot(b_l32, b_x2, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        b_x31 = -tl.dot(b_x3, tl.dot(b_l31, b_x1, input_precision=DOT_PRECISION)
-                        + tl.dot(b_l32, b_x21, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        b_x30 = -tl.dot(b_x3, tl.dot(b_l30, b_x0, input_precision=DOT_PRECISION)
-                        + tl.dot(b_l31, b_x10, input_precision=DOT_PRECISION)
-                        + tl.dot(b_l32, b_x20, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        if NC == 4:
+            b_x21 = -tl.dot(b_x2, tl.dot(b_l21, b_x1, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            b_x20 = -tl.dot(b_x2, tl.dot(b_l20, b_x0, input_precision=DOT_PRECISION)
+                            + tl.dot(b_l21, b_x10, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            b_x32 = -tl.dot(b_x3, tl.dot(b_l32, b_x2, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            b_x31 = -tl.dot(b_x3, tl.dot(b_l31, b_x1, input_precision=DOT_PRECISION)
+                            + tl.dot(b_l32, b_x21, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            b_x30 = -tl.dot(b_x3, tl.dot(b_l30, b_x0, input_precision=DOT_PRECISION)
+                            + tl.dot(b_l31, b_x10, input_precision=DOT_PRECISION)
+                            + tl.dot(b_l32, b_x20, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
         tl.debug_barrier()
-        store_block_row(a_ptr, 0, b_x0, b_0, b_0, b_0, chunk_len, a_stride, BC)
-        store_block_row(a_ptr, BC, b_x10, b_x1, b_0, b_0, chunk_len, a_stride, BC)
-        store_block_row(a_ptr, 2 * BC, b_x20, b_x21, b_x2, b_0, chunk_len, a_stride, BC)
-        store_block_row(a_ptr, 3 * BC, b_x30, b_x31, b_x32, b_x3, chunk_len, a_stride, BC)
+        store_block_row(a_ptr, 0, b_x0, b_0, b_0, b_0, chunk_len, a_stride, BC, NC)
+        store_block_row(a_ptr, BC, b_x10, b_x1, b_0, b_0, chunk_len, a_stride, BC, NC)
+        if NC == 4:
+            store_block_row(a_ptr, 2 * BC, b_x20, b_x21, b_x2, b_0, chunk_len, a_stride, BC, NC)
+            store_block_row(a_ptr, 3 * BC, b_x30, b_x31, b_x32, b_x3, chunk_len, a_stride, BC, NC)
         tl.debug_barrier()
 
     m_cc = m_c[:, None] & (o_c < BT)[None, :]
@@ -339,8 +350,8 @@ def chunk_kda_fwd_intra(
     Args:
         q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; beta: `[B, T, HV]` (one float dtype).
         gk: fp32 `[B, T, HV, K]` chunk-local cumsum of the log gate.
-        chunk_indices: `prepare_chunk_indices(cu_seqlens, 64)` when varlen.
-        Aqk, Akk: fp32 `[B, T, HV, 64]` from an earlier call, to skip rebuilding them
+        chunk_indices: `prepare_chunk_indices(cu_seqlens, chunk_size)` when varlen.
+        Aqk, Akk: fp32 `[B, T, HV, chunk_size]` from an earlier call, to skip rebuilding them
             (the backward's recompute); both or neither.
         compute_u: False skips u (None is returned): the backward's recompute has no use for it.
         exact_blocks: int32 `[NT_all, HV]` from `chunk_kda_gate_cumsum`, needed when Aqk, Akk are built:
@@ -348,10 +359,10 @@ def chunk_kda_fwd_intra(
 
     Returns:
         w `[B, T, HV, K]`, u `[B, T, HV, V]`, qg, kg `[B, T, HV, K]` (all in k's dtype),
-        Aqk and Akk = (I + Akk_strict)^-1, fp32 `[B, T, HV, 64]`.
+        Aqk and Akk = (I + Akk_strict)^-1, fp32 `[B, T, HV, chunk_size]`.
     """
-    if chunk_size != CHUNK_SIZE:
-        raise ValueError(f"chunk_size must be {CHUNK_SIZE} for the KDA kernels, got {chunk_size}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES} for the KDA kernels, got {chunk_size}")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     compute_a = Akk is None

@@ -1,7 +1,7 @@
 """chunk_kda against the fp32 token-by-token reference: outputs, final states, every gradient.
 
 CPU runs use the Triton interpreter in fp32 (and once fp16) with small shapes (it is slow);
-lengths are never multiples of the chunk size (64). GPU tests (bf16, long sequences) are
+lengths are never multiples of the chunk size (64, or 32 where chunk_size=32 is tested). GPU tests (bf16, long sequences) are
 marked gpu. The delta-rule state walk KDA runs (cp_linattn/ops/common/chunk_delta_h.py) is
 tested in tests/ops/common/test_chunk_delta_h.py.
 """
@@ -24,7 +24,7 @@ REL_TOL = 1e-4
 
 def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_kernel=False, lower_bound=None,
              safe_gate=False, state_v_first=False, disable_recompute=False, beta_logits=False, allow_neg_eigval=False,
-             cu_seqlens_cpu=None):
+             cu_seqlens_cpu=None, chunk_size=64):
     """Runs chunk_kda and the reference on the same inputs and the same random cotangents.
     Returns (ours, reference): {name: tensor} for o, the final state ht (with `final`) and
     every gradient. beta_logits: inp's beta are logits (use_beta_sigmoid_in_kernel)."""
@@ -48,7 +48,7 @@ def run_both(inp, cu_seqlens=None, use_h0=True, final=True, l2=False, gate_in_ke
             use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
             safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
             state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            use_beta_sigmoid_in_kernel=beta_logits, allow_neg_eigval=allow_neg_eigval,
+            use_beta_sigmoid_in_kernel=beta_logits, allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
         )
 
     def reference(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
@@ -322,8 +322,36 @@ def test_int32_offsets(with_cpu_copy):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("varlen, state_v_first", [(False, False), (True, True)])
-def test_return_intermediate_states(varlen, state_v_first):
+@pytest.mark.parametrize("HV, gate_in_kernel, disable_recompute", [(2, True, False), (1, False, True)])
+def test_chunk_size_32(HV, gate_in_kernel, disable_recompute):
+    """chunk_size=32 (two sub-chunks per chunk): varlen with sequences shorter than, across and
+    longer than a chunk, initial and final states, every gradient; GVA with the in-kernel gate
+    and l2norm, or the stored intermediates. The same results as chunk_size=64 up to rounding."""
+    cu = torch.tensor([0, 20, 21, 75, 140], dtype=torch.long)
+    inp = make_inputs(T=140, H=1, HV=HV, N=4, gate="raw" if gate_in_kernel else "log", normalise_k=False)
+    kw = dict(cu_seqlens=cu, gate_in_kernel=gate_in_kernel, l2=True, disable_recompute=disable_recompute)
+    res = run_both(inp, chunk_size=32, **kw)
+    assert_close(res)
+    wide = run_both(inp, chunk_size=64, **kw)[0]
+    assert_matches(res[0], wide, REL_TOL, floor=1e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_chunk_size_32_exact_diagonal_path():
+    """chunk_size=32 with sub-chunks beyond the dot path's span (the exact launches of the WY
+    forward and the intra backward) next to ones within it."""
+    from cp_linattn.ops.common.intra import SAFE_SPAN
+    inp = make_inputs(T=100, HV=2, N=2, gate="log")
+    inp["g"][:, 32:64] *= 20.0
+    spans = diagonal_block_spans(inp["g"][..., 0, :], chunk=32)
+    assert (spans <= SAFE_SPAN).any() and (spans > SAFE_SPAN).any(), spans
+    assert_close(run_both(inp, cu_seqlens=torch.tensor([0, 45, 100]), chunk_size=32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("varlen, state_v_first, chunk_size", [(False, False, 64), (True, True, 64), (True, False, 32)])
+def test_return_intermediate_states(varlen, state_v_first, chunk_size):
     """return_intermediate_states (inference mode): the states entering every chunk, laid out
     as FLA returns them (`[B, NT, HV, K, V]`, V-first with state_v_first, k's dtype), against
     the reference's; o and the final state are the training call's."""
@@ -333,13 +361,13 @@ def test_return_intermediate_states(varlen, state_v_first):
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
     kw = dict(initial_state=h0, output_final_state=True, state_v_first=state_v_first, cu_seqlens=cu)
     with torch.inference_mode():
-        o, ht, h = chunk_kda(*args, return_intermediate_states=True, chunk_size=64, use_graph=False,
+        o, ht, h = chunk_kda(*args, return_intermediate_states=True, chunk_size=chunk_size, use_graph=False,
                              max_num_seqs=None, **kw)
-    ref = naive_recurrent_kda(*args, return_intermediate_states=True, **kw)
-    NT = 5 if varlen else 3
+    ref = naive_recurrent_kda(*args, return_intermediate_states=True, chunk_size=chunk_size, **kw)
+    NT = {64: 5 if varlen else 3, 32: 7 if varlen else 5}[chunk_size]
     assert h.shape == ((inp["v"].shape[0], NT, 2, 32, 32)) and h.dtype == inp["k"].dtype
     assert_matches(dict(o=o, ht=ht, h=h), dict(o=ref[0], ht=ref[1], h=ref[2]), REL_TOL, floor=1e-3)
-    o_train, ht_train = chunk_kda(*args, **kw)
+    o_train, ht_train = chunk_kda(*args, chunk_size=chunk_size, **kw)
     assert torch.equal(o, o_train) and torch.equal(ht, ht_train)
 
 
@@ -356,7 +384,8 @@ def test_return_intermediate_states(varlen, state_v_first):
         (dict(A_log=torch.zeros(1)), "A_log"),
         (dict(allow_neg_eigval=True), "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True"),
         (dict(use_beta_sigmoid_in_kernel=1), "use_beta_sigmoid_in_kernel must be a bool"),
-        (dict(chunk_size=32), "chunk_size must be 64: .*got 32"),
+        (dict(chunk_size=16), "chunk_size must be 32 or 64 .*got 16"),
+        (dict(chunk_size=128), "chunk_size must be 32 or 64 .*got 128"),
         (dict(chunk_size=64.0), "chunk_size must be an int"),
         (dict(use_graph=True), "use_graph=True is not supported.*Pass use_graph=False"),
         (dict(max_num_seqs=4), "max_num_seqs is only used with use_graph=True"),
