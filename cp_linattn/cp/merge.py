@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import LAUNCH, launch_options, tile, tiles
+from cp_linattn.ops.launch import LAUNCH, launch_kernel, tile, tiles
 from cp_linattn.ops.utils import check_tensor
 
 
@@ -60,9 +60,11 @@ def add_decayed_state(x: torch.Tensor, decay: torch.Tensor, S: torch.Tensor) -> 
     BK, BV = tiles("add_decayed_state", K, V)
     BC = LAUNCH["add_decayed_state"]["BC"]
     if n * H > 0:
-        add_decayed_state_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), triton.cdiv(n, BC) * H)](
+        grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), triton.cdiv(n, BC) * H)
+        launch_kernel(
+            add_decayed_state_kernel, grid, "add_decayed_state",
             x, decay.contiguous(), S.contiguous(), n, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
-            **launch_options("add_decayed_state"))
+        )
 
 
 @triton.jit
@@ -135,9 +137,9 @@ def fold_states(states: torch.Tensor, transitions: torch.Tensor, order: range, t
         transitions = transitions.contiguous()
     out = states.new_empty(H, K, V)
     BV = tile("fold_states", "BV", V)
-    fold_states_kernel[(triton.cdiv(V, BV), H)](
+    launch_kernel(fold_states_kernel, (triton.cdiv(V, BV), H), "fold_states",
         states, transitions, out, order.start, order.step, len(order), states.stride(0), *transitions.stride()[:2],
         transitions.stride(2) if not diagonal else 0, V if input_columns is None else input_columns,
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, DIAGONAL=diagonal, TRANSPOSE=transpose,
-        **launch_options("fold_states"))
+    )
     return out

@@ -15,7 +15,9 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 LAUNCH: dict[str, dict[str, int]] = {
     # Sequential state recurrences (one program per state tile walks all chunks): small
@@ -71,6 +73,44 @@ _BLOCK_KEYS = ("BK", "BV", "BC")
 def launch_options(kernel: str) -> dict[str, int]:
     """The `num_warps`/`num_stages` keyword arguments of `kernel`'s launch."""
     return {k: v for k, v in LAUNCH[kernel].items() if k not in _BLOCK_KEYS}
+
+
+# (launcher, device, constexpr arguments) -> the pipeline stages that fit the device's shared memory
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def launch_kernel(kernel, grid, launcher: str, *args, **meta) -> None:
+    """`kernel[grid](*args, **meta)` with the warps and stages of `launcher`'s LAUNCH entry.
+
+    Where the device's shared memory cannot hold the entry's pipeline stages for these
+    arguments (large head dims: a `[64, 256]` bf16 tile is 32 KiB per stage and operand), the
+    launch is retried with one stage fewer, down to one, and the count that fits is kept for
+    the next call with the same constexpr arguments on the same device (one failed compile
+    per configuration, on the first call). If one stage does not fit either, the
+    OutOfResources names the launcher and its entry.
+    """
+    options = launch_options(launcher)
+    key = None
+    if _FITTED_STAGES:  # some configuration did not fit: look this one up (none did: no cost)
+        key = _fitting_key(launcher, meta)
+        options["num_stages"] = _FITTED_STAGES.get(key, options["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **meta, **options)
+            return
+        except OutOfResources as e:
+            if options["num_stages"] <= 1:
+                raise OutOfResources(e.required, e.limit, f"{e.name} (launcher {launcher}, LAUNCH entry "
+                                     f"{LAUNCH[launcher]}, at one stage: lower its BK/BV caps in "
+                                     f"cp_linattn/ops/launch.py)") from e
+            options["num_stages"] -= 1
+            _FITTED_STAGES[key or _fitting_key(launcher, meta)] = options["num_stages"]
+
+
+def _fitting_key(launcher: str, meta: dict) -> tuple:
+    """A launch's entry in _FITTED_STAGES: launcher, device and constexpr arguments."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    return launcher, device, tuple(sorted((k, v) for k, v in meta.items() if isinstance(v, (bool, int, float, str))))
 
 
 def exact_path_key(launcher: str, exact: bool) -> str:

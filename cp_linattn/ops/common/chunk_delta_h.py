@@ -29,7 +29,7 @@ import triton.language as tl
 
 from cp_linattn.ops.common.index import count_sequences_and_chunks, sequence_bounds, state_tile_offsets
 from cp_linattn.ops.common.chunk_h import dot_precision, initial_state_tile
-from cp_linattn.ops.launch import launch_options, tile
+from cp_linattn.ops.launch import launch_kernel, launch_options, tile
 from cp_linattn.ops.utils import check_tensor
 
 
@@ -201,7 +201,7 @@ def chunk_delta_rule_fwd_h(
         final_state = kg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
-        chunk_delta_rule_fwd_kernel_h[(triton.cdiv(V, BV), N * HV)](
+        launch_kernel(chunk_delta_rule_fwd_kernel_h, (triton.cdiv(V, BV), N * HV), launch,
             kg, w, u, gk, h, v_new, initial_state, final_state, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
@@ -209,7 +209,6 @@ def chunk_delta_rule_fwd_h(
             STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(kg.dtype), U_COLS=U,
             IDENTITY_TAIL=identity_tail,
-            **launch_options(launch),
         )
     return h, v_new, final_state
 
@@ -260,14 +259,13 @@ def chunk_delta_rule_bwd_dhu(
         dh0 = qg.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     BK, BV = delta_state_block_sizes(launch, K, V)
     if N * HV > 0:
-        chunk_delta_rule_bwd_kernel_dhu[(triton.cdiv(V, BV), N * HV)](
+        launch_kernel(chunk_delta_rule_bwd_kernel_dhu, (triton.cdiv(V, BV), N * HV), launch,
             qg, kg, w, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
             STORE_CHUNKS=store_chunk_grads,
             STATE_V_FIRST=state_v_first,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
-            **launch_options(launch),
         )
     return dh, dh0, dv2
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.index import count_sequences_and_chunks, sequence_bounds, state_tile_offsets
-from cp_linattn.ops.launch import jit_traced_as, launch_options, tiles
+from cp_linattn.ops.launch import jit_traced_as, launch_kernel, tiles
 from cp_linattn.ops.utils import check_option, check_tensor
 
 
@@ -222,12 +222,12 @@ def _walk(launcher: str, kq: torch.Tensor, named_vdo: tuple[str, torch.Tensor], 
               None if reverse else kq.new_empty(N, H, K, dtype=torch.float32)) if output_decays else None
     BK, BV = tiles(launcher, K, V)
     if N * H > 0:
-        chunk_fwd_kernel_h[(triton.cdiv(V, BV), triton.cdiv(K, BK), N * H)](
+        launch_kernel(chunk_fwd_kernel_h, (triton.cdiv(V, BV), triton.cdiv(K, BK), N * H), launcher,
             kq, vdo, gk, states, init, final, *(decays or (None, None)), cu_seqlens, chunk_offsets, scale, T,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, REVERSE=reverse,
             USE_INITIAL_STATE=init is not None, STORE_FINAL_STATE=store_final, STORE_CHUNKS=store_chunks,
             STORE_DECAY=output_decays, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(kq.dtype), **launch_options(launcher),
+            DOT_PRECISION=dot_precision(kq.dtype),
         )
     return states, final, decays
 

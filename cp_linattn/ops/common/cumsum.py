@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from cp_linattn.ops.common.index import chunk_bounds, prepare_chunk_indices
-from cp_linattn.ops.launch import launch_options
+from cp_linattn.ops.launch import launch_kernel
 from cp_linattn.ops.common.intra import mark_exact_diagonal_blocks
 
 
@@ -120,10 +120,9 @@ def chunk_local_cumsum(
     BD = max(16, min(triton.next_power_of_2(D), 64))
     grid = (triton.cdiv(D, BD), NT, B * H)
     if NT > 0:
-        chunk_local_cumsum_kernel[grid](
+        launch_kernel(chunk_local_cumsum_kernel, grid, "chunk_local_cumsum",
             x, y, exact_blocks, cu_seqlens, chunk_indices, T,
             H=H, D=D, BT=chunk_size, BD=BD, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
             MARK_EXACT=exact_blocks is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
-            **launch_options("chunk_local_cumsum"),
         )
     return y

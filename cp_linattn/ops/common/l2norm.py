@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import jit_traced_as, launch_options
+from cp_linattn.ops.launch import jit_traced_as, launch_kernel
 
 
 L2NORM_EPS = 1e-6
@@ -40,9 +40,8 @@ def _l2norm_launch(x, y, dy, dx, backward):
     BD = max(16, triton.next_power_of_2(D))
     BR = max(1, 4096 // BD)
     if n_rows > 0:
-        l2norm_fwd_kernel[(triton.cdiv(n_rows, BR),)](x, y, dy, dx, n_rows, D=D, BD=BD, BR=BR, eps=L2NORM_EPS,
-                                                      BACKWARD=backward,
-                                                      **launch_options("l2norm_bwd" if backward else "l2norm_fwd"))
+        launch_kernel(l2norm_fwd_kernel, (triton.cdiv(n_rows, BR),), "l2norm_bwd" if backward else "l2norm_fwd",
+               x, y, dy, dx, n_rows, D=D, BD=BD, BR=BR, eps=L2NORM_EPS, BACKWARD=backward)
 
 
 def l2norm_fwd(x: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from cp_linattn.cp.context import FLACPContext
 from cp_linattn.cp.guard import call_signature, check_op_inputs, checked_call
 from cp_linattn.cp.exchange import CPExchange
 from cp_linattn.cp.gla import gla_cp_bwd_dh, gla_cp_fwd_h
-from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
+from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_kernel, tiles
 from cp_linattn.ops.utils import (check_flag, check_scale, kernel_state, prepare_varlen_chunks, refuse_double_backward,
                                   save_for_backward, saved_tensors, transpose_state)
 
@@ -336,11 +336,10 @@ def chunk_gla_fwd_o(
         for exact in (False, True):  # each chunk runs in one of them
             kernel = exact_path_key("chunk_gla_fwd_o", exact)
             B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
-            chunk_gla_fwd_kernel_o[(triton.cdiv(V, BV), NT, B * H)](
+            launch_kernel(chunk_gla_fwd_kernel_o, (triton.cdiv(V, BV), NT, B * H), kernel,
                 q, k, v, gk, exact_blocks, h, o, A, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype), EXACT_DIAGONAL=exact,
-                **launch_options(kernel),
             )
     return o, A
 
@@ -355,11 +354,10 @@ def chunk_gla_bwd_dv(
     NT = dh.shape[1]
     dv = torch.empty_like(do)
     if NT > 0:
-        chunk_gla_bwd_kernel_dv[(triton.cdiv(V, BV), NT, B * H)](
+        launch_kernel(chunk_gla_bwd_kernel_dv, (triton.cdiv(V, BV), NT, B * H), "chunk_gla_bwd_dv",
             k, gk, A, do, dh, dv, cu_seqlens, chunk_indices, T,
             H=H, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-            **launch_options("chunk_gla_bwd_dv"),
         )
     return dv
 
@@ -379,11 +377,10 @@ def chunk_gla_bwd_dqkg(
         for exact in (False, True):  # each chunk runs in one of them
             kernel = exact_path_key("chunk_gla_bwd_dqkg", exact)
             B, T, H, K, V, BK, BV = _launch_shape(kernel, q, v)
-            chunk_gla_bwd_kernel_dqkg[(triton.cdiv(K, BK), NT, B * H)](
+            launch_kernel(chunk_gla_bwd_kernel_dqkg, (triton.cdiv(K, BK), NT, B * H), kernel,
                 q, k, v, gk, exact_blocks, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
                 H=H, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype), EXACT_DIAGONAL=exact,
-                **launch_options(kernel),
             )
     return dq, dk, dg
 

@@ -52,7 +52,7 @@ from cp_linattn.ops.common.index import whole_chunk_segments
 from cp_linattn.ops.common.chunk_h import dot_precision, fp32_dot_precision
 from cp_linattn.ops.common.cumsum import floor_log_decay, suffix_sum
 from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, within_span
-from cp_linattn.ops.launch import launch_options, tiles
+from cp_linattn.ops.launch import launch_kernel, tiles
 from cp_linattn.ops.utils import (_fmt_shape, check_flag, check_inputs, check_kernel_dtype, check_scale, check_tensor,
                                   kernel_state, refuse_double_backward)
 
@@ -391,16 +391,15 @@ def _scan_segments(local: torch.Tensor, decay: torch.Tensor, start: torch.Tensor
 
 
 def _launch_config(kernel: str, q: torch.Tensor, v: torch.Tensor, head_first: bool):
-    """(B, T, H, K, V, K-blocks NK, V-blocks NV, the launch's keyword arguments: block sizes,
-    warps and stages (ops/launch.py), and the fp32 dot precision).
+    """(B, T, H, K, V, K-blocks NK, V-blocks NV, the launch's constexpr arguments: block sizes
+    and the fp32 dot precision; warps and stages come from ops/launch.py at the launch).
 
     fp32 inputs use exact fp32 dots: fp32 is the accuracy path; bf16/fp16 are the fast one.
     """
     B, T, H, K = _shape(q, head_first)
     V = v.shape[-1]
     BK, BV = tiles(kernel, K, V)
-    cfg = dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), SPAN_LIMIT=SAFE_SPAN,
-               **launch_options(kernel))
+    cfg = dict(BT=CHUNK, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), SPAN_LIMIT=SAFE_SPAN)
     return B, T, H, K, V, triton.cdiv(K, BK), triton.cdiv(V, BV), cfg
 
 
@@ -434,7 +433,8 @@ def fused_chunk_gla_fwd(
     S, seg_chunks = segments
 
     def walk(o, h0, ht, decay):
-        fused_chunk_gla_fwd_kernel[(NV * S, NK, B * H)](
+        launch_kernel(
+            fused_chunk_gla_fwd_kernel, (NV * S, NK, B * H), "fused_chunk_gla_fwd",
             q, k, v, g, o, h0, ht, decay, scale, T, seg_chunks,
             B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=ht is not None,
@@ -469,7 +469,8 @@ def fused_chunk_gla_bwd(
 
     def walk(grads, h0, dht, dh0):
         dq, dk, dv, dg = grads
-        fused_chunk_gla_bwd_kernel[(NV * S, NK, B * H)](
+        launch_kernel(
+            fused_chunk_gla_bwd_kernel, (NV * S, NK, B * H), "fused_chunk_gla_bwd",
             q, k, v, g, do, h0, dht, dq, dk, dv, dg, dh0, scale, T, seg_chunks,
             B=B, H=H, K=K, V=V, HEAD_FIRST=head_first, USE_INITIAL_STATE=h0 is not None,
             USE_FINAL_STATE_GRADIENT=dht is not None,

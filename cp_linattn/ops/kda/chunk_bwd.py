@@ -42,7 +42,7 @@ from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, 
 from cp_linattn.ops.kda.chunk_fwd import ChunkKDAIntra, KDAGate
 from cp_linattn.ops.kda.gate import kda_gate_bwd_cumsum
 from cp_linattn.ops.kda.wy import SUB_CHUNK_SIZE, chunk_kda_fwd_intra, wy_chunk_rows
-from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tile, tiles
+from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_kernel, tile, tiles
 
 
 @triton.jit
@@ -351,10 +351,10 @@ def chunk_kda_bwd_dAv(
     NT = _num_chunks(T, cu_seqlens, chunk_indices, chunk_size)
     dS, dv = torch.empty_like(Aqk), torch.empty_like(v_new, dtype=torch.float32)
     if NT * B * HV > 0:
-        chunk_kda_bwd_kernel_dAv[(NT, B * HV)](
+        launch_kernel(chunk_kda_bwd_kernel_dAv, (NT, B * HV), "chunk_kda_bwd_dAv",
             v_new, Aqk, do, dS, dv, cu_seqlens, chunk_indices, float(scale), T,
             HV=HV, V=V, BT=chunk_size, BV=tile("chunk_kda_bwd_dAv", "BV", V), IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(do.dtype), **launch_options("chunk_kda_bwd_dAv"),
+            DOT_PRECISION=dot_precision(do.dtype),
         )
     return dS, dv
 
@@ -369,11 +369,11 @@ def chunk_kda_bwd_wy_dqkg(
     NT = _num_chunks(T, cu_seqlens, chunk_indices, chunk_size)
     BK, BV = tiles("chunk_kda_bwd_wy_dqkg", K, V)
     if NT * B * HV > 0:
-        chunk_kda_bwd_kernel_wy_dqkg[(NT, B * HV)](
+        launch_kernel(chunk_kda_bwd_kernel_wy_dqkg, (NT, B * HV), "chunk_kda_bwd_wy_dqkg",
             q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, dq, dk, dv, dgk, dbeta, dL,
             cu_seqlens, chunk_indices, float(scale), T,
             H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=dot_precision(k.dtype), **launch_options("chunk_kda_bwd_wy_dqkg"),
+            DOT_PRECISION=dot_precision(k.dtype),
         )
 
 
@@ -390,11 +390,11 @@ def chunk_kda_bwd_intra(
         return
     for exact in (False, True):
         launcher = exact_path_key("chunk_kda_bwd_intra", exact)
-        chunk_kda_bwd_kernel_intra[(NT * (chunk_size // SUB_CHUNK_SIZE), B * H)](
+        launch_kernel(chunk_kda_bwd_kernel_intra, (NT * (chunk_size // SUB_CHUNK_SIZE), B * H), launcher,
             q, k, gk, beta, exact_blocks, dS, dL, dq_part, dk_part, dgk, dbeta_part, dq, dk, dbeta, cu_seqlens,
             chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BC=SUB_CHUNK_SIZE,
             BK=tile(launcher, "BK", K), IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
-            EXACT_DIAGONAL=exact, **launch_options(launcher),
+            EXACT_DIAGONAL=exact,
         )
 
 

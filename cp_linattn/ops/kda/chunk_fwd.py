@@ -24,7 +24,7 @@ from cp_linattn.ops.common.cumsum import chunk_local_cumsum
 from cp_linattn.ops.common.intra import SAFE_SPAN, finite_or_zero, new_exact_block_bits, span_limit
 from cp_linattn.ops.kda.gate import kda_gate_fwd_cumsum
 from cp_linattn.ops.kda.wy import CHUNK_SIZE, SUB_CHUNK_SIZE, chunk_kda_fwd_intra
-from cp_linattn.ops.launch import launch_options, tiles
+from cp_linattn.ops.launch import launch_kernel, tiles
 
 
 @triton.jit
@@ -79,11 +79,10 @@ def chunk_kda_fwd_o(
     NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
     BK, BV = tiles("chunk_kda_fwd_o", K, V)
     if NT * B * HV > 0:
-        chunk_kda_fwd_kernel_o[(triton.cdiv(V, BV), NT, B * HV)](
+        launch_kernel(chunk_kda_fwd_kernel_o, (triton.cdiv(V, BV), NT, B * HV), "chunk_kda_fwd_o",
             qg, v_new.to(qg.dtype).contiguous(), h, Aqk, o, cu_seqlens, chunk_indices, float(scale), T,
             HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
             IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(qg.dtype),
-            **launch_options("chunk_kda_fwd_o"),
         )
     return o
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_linattn.ops.launch import jit_traced_as, launch_options
+from cp_linattn.ops.launch import jit_traced_as, launch_kernel
 
 from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.cumsum import LOG_DECAY_FLOOR, floor_log_decay, suffix_sum
@@ -126,7 +126,8 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
     BK = min(64, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(K, BK), NT // B if cu_seqlens is None else NT, B * HV)
     if NT > 0:
-        kda_gate_fwd_kernel_cumsum[grid](
+        launch_kernel(
+            kda_gate_fwd_kernel_cumsum, grid, "kda_gate_bwd_cumsum" if "dg" in buffers else "kda_gate_fwd_cumsum",
             g.contiguous(), A_log.contiguous() if A_log is not None else None,
             dt_bias.contiguous() if dt_bias is not None else None,
             *(buffers.get(n) for n in ("g_cum", "exact_blocks", "dg_cum", "dg", "dA_part", "dbias_part")),
@@ -135,7 +136,6 @@ def _launch(g, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indice
             LOWER_BOUND=lower_bound is not None, BACKWARD="dg" in buffers, IS_VARLEN=cu_seqlens is not None,
             MARK_EXACT=buffers.get("exact_blocks") is not None, BC=sub_chunk_size, SPAN_LIMIT=span_limit,
             APPROX_LOG=compiled_for_nvidia(g),
-            **launch_options("kda_gate_bwd_cumsum" if "dg" in buffers else "kda_gate_fwd_cumsum"),
         )
     return NT
 

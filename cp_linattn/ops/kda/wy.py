@@ -36,7 +36,7 @@ import triton.language as tl
 from cp_linattn.ops.common.index import chunk_bounds
 from cp_linattn.ops.common.chunk_h import dot_precision
 from cp_linattn.ops.common.intra import diagonal_split_factors, finite_or_zero, launch_takes_block, nonfinite_part
-from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_options, tiles
+from cp_linattn.ops.launch import exact_path_key, jit_traced_as, launch_kernel, tiles
 
 CHUNK_SIZE = 64
 CHUNK_SIZES = (32, 64)  # FLA's choices; a chunk holds 2 or 4 sub-chunks
@@ -384,9 +384,9 @@ def chunk_kda_fwd_intra(
         for exact in (False, True) if compute_a else (False,):
             kernel = exact_path_key("chunk_kda_fwd_intra", exact)
             BK, BV = tiles(kernel, K, V)
-            chunk_kda_fwd_kernel_intra[(NT, B * HV)](
+            launch_kernel(chunk_kda_fwd_kernel_intra, (NT, B * HV), kernel,
                 *args, H=H, HV=HV, K=K, V=V, BT=chunk_size, BC=SUB_CHUNK_SIZE, BK=BK, BV=BV,
                 COMPUTE_A=compute_a, COMPUTE_U=compute_u, IS_VARLEN=cu_seqlens is not None,
-                DOT_PRECISION=dot_precision(k.dtype), EXACT_DIAGONAL=exact, **launch_options(kernel),
+                DOT_PRECISION=dot_precision(k.dtype), EXACT_DIAGONAL=exact,
             )
     return w, u, qg, kg, Aqk, Akk

@@ -431,6 +431,26 @@ def test_gpu_bf16_long(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    # the configuration that once asked 311296 bytes of shared memory on an H100
+    dict(gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, disable_recompute=True),
+    dict(gate_in_kernel=True, l2=True, state_v_first=True),
+    dict(l2=True, chunk_size=32),
+    dict(disable_recompute=True, use_h0=False, final=False),
+], ids=["safe-gate-no-recompute", "gate-l2norm-v-first", "chunk-size-32", "no-states"])
+def test_gpu_head_dims_256(options):
+    """K = V = 256 (the largest head dim) on a varlen batch with GVA: every launch fits the
+    device's shared memory (stages stepped down where needed, ops/launch.py), forward and
+    every gradient against the fp32 reference."""
+    cu = torch.tensor([0, 300, 301, 777], dtype=torch.long, device="cuda")
+    gated = options.get("gate_in_kernel", False)
+    inp = make_inputs(T=777, H=2, HV=4, K=256, V=256, N=3, gate="raw" if gated else "log",
+                      normalise_k=not options.get("l2", False), device="cuda", dtype=torch.bfloat16)
+    res = run_both(inp, cu_seqlens=cu, **options)
+    assert_rms_close(*res, lambda name: 3e-2 if name in ("o", "ht") else 5e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, None])  # None: the softplus gate, its log by lg2.approx
 def test_gpu_fp32_tight(lower_bound):
     inp = make_inputs(T=700, H=2, HV=2, K=128, V=64, gate="raw", normalise_k=False, device="cuda")
