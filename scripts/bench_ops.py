@@ -1,9 +1,17 @@
-"""Benchmark our chunk_gla / fused_chunk_gla / chunk_kda against FLA 0.6.0 and torch SDPA.
+"""Benchmark our chunk_gla / fused_chunk_gla / chunk_kda against FLA 0.6.0 and torch SDPA:
+speed, and accuracy against the fp32 reference.
 
 Same process, same inputs: bf16, B=1, H=16, K=V=128. Every op is called forward+backward
 once before timing so Triton compilation and FLA's autotuning stay out of the figures
 (the compile time of that first call is reported separately). Timings are medians of
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs).
+
+After all timings, the accuracy pass runs every benchmarked op of ours and FLA's (FLA's
+chunk_gla for fused_gla) forward+backward on the same bf16 inputs of `--accuracy-T` tokens (and,
+unless `--varlen-total 0`, a packed batch of that many tokens in documents of odd lengths) with
+the same cotangent, and the fp32 token-by-token reference (ops/*/naive.py) on those inputs upcast
+to fp32: the RMS error of the output and of every gradient relative to the reference's RMS, ours,
+FLA's and ours/FLA (at most 1: ours at least as accurate).
 
     python scripts/bench_ops.py --out bench_out        # writes results.json, results.md, throughput.png
     python scripts/bench_ops.py --render a/results.json b.log --out merged   # tables of several runs
@@ -19,7 +27,8 @@ from pathlib import Path
 import torch
 import triton
 
-from benchlib import H, K, V, make_op, varlen_cu_seqlens  # scripts/benchlib.py
+from benchlib import (H, K, V, accuracy_doc_lengths, make_op, op_call, op_inputs,  # scripts/benchlib.py
+                      outputs_and_grads, reference_call, rms_rel_err, varlen_cu_seqlens)
 
 
 def _measure_copy_bandwidth() -> float:
@@ -91,6 +100,28 @@ def bench_one(name: str, lib: str, T: int, cu_seqlens) -> dict:
     return row
 
 
+def accuracy_rows(name: str, T: int, cu_seqlens) -> list[dict]:
+    """RMS errors relative to the fp32 reference of our op `name` and of FLA's (its chunk_gla for
+    fused_gla), output and every gradient, on the same bf16 inputs and cotangent (seed 11)."""
+    x = op_inputs(name, T)
+    names = ["q", "k", "v", "g"] + (["beta"] if name.startswith("kda") else [])
+    x = {n: x[n] for n in names + (["A_log", "dt_bias"] if "A_log" in x else [])}
+    # rounded to bf16, so the reference sees the cotangent ours and FLA's see
+    do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(11)).bfloat16().float().to(x["v"].device)
+    want = outputs_and_grads(reference_call(name, cu_seqlens), {n: t.float() for n, t in x.items()}, do)
+    got = outputs_and_grads(op_call(name, "ours", cu_seqlens), x, do)
+    theirs = outputs_and_grads(op_call(name.replace("fused_", ""), "fla", cu_seqlens), x, do)
+    case = dict(op=name, T=T, varlen=cu_seqlens is not None)
+    if cu_seqlens is not None:
+        case["doc_lengths"] = cu_seqlens.diff().tolist()
+    rows = []
+    for tensor, ref in want.items():
+        ours_err, fla_err = rms_rel_err(got[tensor], ref), rms_rel_err(theirs[tensor], ref)
+        rows.append(dict(case, tensor=tensor, ours_err=ours_err, fla_err=fla_err,
+                         ratio=ours_err / fla_err if fla_err > 0 else None))
+    return rows
+
+
 CASES = {
     "gla": [("gla", "ours"), ("fused_gla", "ours"), ("gla", "fla")],
     "kda": [("kda", "ours"), ("kda", "fla")],
@@ -106,6 +137,9 @@ def main() -> None:
     p.add_argument("--T", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--groups", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the varlen case; 0 skips it")
+    p.add_argument("--accuracy-T", type=int, default=1000,
+                   help="tokens of the accuracy pass (dense, and packed in documents unless --varlen-total 0); "
+                        "0 skips it")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--render", nargs="+", metavar="FILE", default=None,
                    help="measure nothing: merge the rows of earlier runs (results.json, or the JSON lines "
@@ -114,15 +148,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.render:
-        rows, meta = _load_rows(args.render)
-        (out / "results.md").write_text(_markdown(rows, meta))
+        rows, accuracy, meta = _load_rows(args.render)
+        (out / "results.md").write_text(_markdown(rows, meta, accuracy))
         _plot(rows, out / "throughput.png")
         print((out / "results.md").read_text())
         return
     bw = _measure_copy_bandwidth()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"))
-    rows = []
+    rows, accuracy = [], []
     for group in args.groups:
         for T in args.T + ([None] if group != "sdpa" and args.varlen_total > 0 else []):
             cu = None
@@ -138,17 +172,47 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 # rewritten after every row: a run stopped by a time limit keeps what it measured
-                (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-                (out / "results.md").write_text(_markdown(rows, meta))
+                _save(out, meta, rows, accuracy)
                 torch.cuda.empty_cache()
     _plot(rows, out / "throughput.png")
+    # after every timing, so that no kernel is first compiled or autotuned at the accuracy pass's shapes
+    if args.accuracy_T > 0:
+        for new in accuracy_pass(args.groups, args.accuracy_T, args.varlen_total > 0):
+            for row in new:
+                print(json.dumps(row), flush=True)
+            accuracy += new
+            _save(out, meta, rows, accuracy)
     print((out / "results.md").read_text())
 
 
-def _load_rows(paths: list[str]) -> tuple[list[dict], dict]:
-    """Rows of several runs (a results.json, or a log of the JSON lines a run prints, e.g. one cut
-    short by a time limit), in order, and the meta of the first results.json."""
-    rows, meta = [], None
+def accuracy_pass(groups: list[str], T: int, varlen: bool, device: str = "cuda"):
+    """The `accuracy_rows` of each of our ops in `groups` (fused_gla dense only), on T tokens
+    dense and, with `varlen`, packed in `accuracy_doc_lengths(T)`: one list per op and case, an
+    op that fails giving an error row."""
+    packed = torch.tensor([0] + accuracy_doc_lengths(T)).cumsum(0).to(device)
+    for group in groups:
+        for cu in [None] + ([packed] if varlen else []):
+            for name, lib in CASES[group]:
+                if lib != "ours" or (name == "fused_gla" and cu is not None):
+                    continue
+                try:
+                    new = accuracy_rows(name, T, cu)
+                    torch.cuda.empty_cache()
+                except Exception as e:  # reported, and the pass goes on
+                    new = [dict(op=name, T=T, varlen=cu is not None, tensor=None, error=f"{type(e).__name__}: {e}"[:300])]
+                yield new
+
+
+def _save(out: Path, meta: dict, rows: list[dict], accuracy: list[dict]) -> None:
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, accuracy=accuracy), indent=1))
+    (out / "results.md").write_text(_markdown(rows, meta, accuracy))
+
+
+def _load_rows(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """Speed rows and accuracy rows of several runs (a results.json, or a log of the JSON lines a
+    run prints, e.g. one cut short by a time limit), in order, and the meta of the first
+    results.json."""
+    rows, accuracy, meta = [], [], None
     for path in paths:
         text = Path(path).read_text()
         try:
@@ -157,6 +221,7 @@ def _load_rows(paths: list[str]) -> tuple[list[dict], dict]:
             data = None
         if isinstance(data, dict) and "rows" in data:
             rows += data["rows"]
+            accuracy += data.get("accuracy", [])
             meta = meta or data["meta"]
             continue
         for line in text.splitlines():
@@ -164,12 +229,14 @@ def _load_rows(paths: list[str]) -> tuple[list[dict], dict]:
                 row = json.loads(line)
                 if "lib" in row:
                     rows.append(row)
+                elif "tensor" in row:
+                    accuracy.append(row)
     if meta is None:
         raise ValueError(f"--render needs at least one results.json (for the machine and bandwidth): {paths}")
-    return rows, meta
+    return rows, accuracy, meta
 
 
-def _markdown(rows, meta) -> str:
+def _markdown(rows, meta, accuracy=()) -> str:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
              f"measured copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s", ""]
     ref = {(r["op"].replace("fused_", ""), r["T"], r["varlen"]): r for r in rows if r["lib"] == "fla" and "error" not in r}
@@ -186,6 +253,19 @@ def _markdown(rows, meta) -> str:
         bw = f"{gbps:.0f} | {100 * gbps / meta['copy_bandwidth_GBps']:.0f}%" if gbps else " | "
         lines.append(f"| {r['op']} | {r['lib']} | {T} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {ratio} | "
                      f"{r['peak_mib']:.0f} | {bw} | {r['fwd_bwd_TFLOPs']:.1f} |")
+    if accuracy:
+        lines += ["", "Accuracy against the fp32 reference, same bf16 inputs: RMS relative error, ours/FLA "
+                  "(fused_gla against FLA's chunk_gla; at most 1.00: ours at least as accurate)."]
+        for T, lengths in dict.fromkeys((r["T"], tuple(r["doc_lengths"])) for r in accuracy if "doc_lengths" in r):
+            lines.append(f"{T} varlen: documents of {', '.join(map(str, lengths))} tokens.")
+        lines += ["", "| op | T | tensor | ours | FLA | ours/FLA |", "|---|---|---|---|---|---|"]
+        for r in accuracy:
+            T = f"{r['T']}{' varlen' if r['varlen'] else ''}"
+            if "error" in r:
+                lines.append(f"| {r['op']} | {T} | error: {r['error']} | | | |")
+                continue
+            ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            lines.append(f"| {r['op']} | {T} | {r['tensor']} | {r['ours_err']:.2e} | {r['fla_err']:.2e} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

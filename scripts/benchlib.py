@@ -1,5 +1,6 @@
-"""What the benchmarks and the maintainer tools share: the benchmarked ops and their inputs, a
-warm forward+backward step, and a per-kernel profile of a warm call.
+"""What the benchmarks and the maintainer tools share: the benchmarked ops and their inputs, their
+fp32 references and the error measure the accuracy pass uses, a warm forward+backward step, and a
+per-kernel profile of a warm call.
 
 A plain module beside the user benchmarks, not part of the package. `python scripts/bench_ops.py`
 puts scripts/ on the path (Python does so for the script's own folder), so the benchmarks import it
@@ -45,24 +46,39 @@ def _inputs(op: str, T: int, HV: int):
     return q, k, v, g, beta
 
 
-def make_op(name: str, lib: str, T: int, cu_seqlens):
-    """Op `name` (gla, fused_gla, kda, kda_gva, kda_gate, kda_gate_init, sdpa) of `lib` (ours,
-    fla, torch) on T tokens: (callable producing the output, list of leaf tensors needing grad)."""
+def accuracy_doc_lengths(total: int) -> list[int]:
+    """Document lengths of the accuracy pass's packed batch of `total` tokens: four or five
+    documents, one of about total / 50 tokens, all of odd length (none a multiple of the chunk
+    size); a single document below 16 tokens."""
+    if total < 16:
+        return [total]
+    # odd lengths: four documents when total is even, five when it is odd, so the last is odd too
+    weights = (0.3, 0.02, 0.25) if total % 2 == 0 else (0.3, 0.02, 0.25, 0.1)
+    lens = [int(w * total) | 1 for w in weights]
+    return lens + [total - sum(lens)]
+
+
+def op_inputs(name: str, T: int) -> dict[str, torch.Tensor]:
+    """The inputs of op `name` on T tokens (seed 0): bf16 q, k, v, g, beta on the GPU (unit q
+    and k for KDA); the in-kernel gate cases (kda_gate*) take g raw and add fp32 A_log `[HV]`
+    and dt_bias `[HV * K]`."""
     HV = 2 * H if "gva" in name else H
     q, k, v, g, beta = _inputs(name, T, HV)
-    extra = {}
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
     if name.startswith("kda_gate"):
-        g = torch.randn_like(g)
+        x["g"] = torch.randn_like(g)
         if name == "kda_gate":  # strong decays, up to -29 per token: many diagonal blocks take the exact path
             A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
         else:  # as the KDA layer initialises them (decay rates in [1, 16], dt in [1e-3, 1e-1])
             from cp_linattn.layers.kda import init_gate_parameters
             A_log, dt_bias = init_gate_parameters(HV, K)
-        extra = dict(use_gate_in_kernel=True, A_log=A_log.cuda(), dt_bias=dt_bias.cuda())
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    if name == "sdpa":
-        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-        return (lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)), leaves
+        x.update(A_log=A_log.cuda(), dt_bias=dt_bias.cuda())
+    return x
+
+
+def op_call(name: str, lib: str, cu_seqlens=None) -> Callable[..., torch.Tensor]:
+    """Op `name` (gla, fused_gla, kda, kda_gva, kda_gate, kda_gate_init) of `lib` (ours, fla) as
+    `fn(**op_inputs(name, T)) -> o`; GLA ignores beta. FLA has no fused_gla: its chunk_gla."""
     if lib == "fla":
         from fla.ops.gla import chunk_gla as fla_chunk_gla
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -70,15 +86,66 @@ def make_op(name: str, lib: str, T: int, cu_seqlens):
         if lib == "ours":
             from cp_linattn import chunk_gla, fused_chunk_gla
             if name == "fused_gla":
-                return (lambda: fused_chunk_gla(q, k, v, g, head_first=False)[0]), leaves
-            return (lambda: chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
-        return (lambda: fla_chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]), leaves
+                return lambda q, k, v, g, **_: fused_chunk_gla(q, k, v, g, head_first=False)[0]
+            return lambda q, k, v, g, **_: chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]
+        return lambda q, k, v, g, **_: fla_chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]
     fn = None
     if lib == "ours":
         from cp_linattn import chunk_kda as fn
     else:
         fn = fla_chunk_kda
-    return (lambda: fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, **extra)[0]), leaves
+    if not name.startswith("kda_gate"):
+        return lambda q, k, v, g, beta: fn(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]
+
+    def gated(q, k, v, g, beta, A_log, dt_bias):
+        return fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)[0]
+
+    return gated
+
+
+def reference_call(name: str, cu_seqlens=None) -> Callable[..., torch.Tensor]:
+    """The fp32 token-by-token reference (ops/*/naive.py) of op `name`, called as `op_call`'s
+    functions; for the in-kernel gate it applies `kda_gate` to the raw g first."""
+    from cp_linattn.ops.gla.naive import naive_recurrent_gla
+    from cp_linattn.ops.kda.naive import kda_gate, naive_recurrent_kda
+
+    if name in ("gla", "fused_gla"):
+        return lambda q, k, v, g: naive_recurrent_gla(q, k, v, g, cu_seqlens=cu_seqlens)[0]
+
+    def reference(q, k, v, g, beta, A_log=None, dt_bias=None):
+        if A_log is not None:
+            g = kda_gate(g, A_log, dt_bias)
+        return naive_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]
+
+    return reference
+
+
+def outputs_and_grads(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
+                      do: torch.Tensor) -> dict[str, torch.Tensor]:
+    """o = fn(**inputs) on detached copies of `inputs` and the gradients of sum(o * do) with
+    respect to each: {"o", "d<name>" for every input}."""
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in inputs.items()}
+    o = fn(**leaves)
+    grads = torch.autograd.grad((o.float() * do).sum(), list(leaves.values()))
+    return {"o": o.detach(), **{"d" + n: g for n, g in zip(leaves, grads)}}
+
+
+def rms_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS error relative to the reference's RMS."""
+    ref = ref.float()
+    return ((a.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def make_op(name: str, lib: str, T: int, cu_seqlens):
+    """Op `name` (gla, fused_gla, kda, kda_gva, kda_gate, kda_gate_init, sdpa) of `lib` (ours,
+    fla, torch) on T tokens: (callable producing the output, list of leaf tensors needing grad)."""
+    x = op_inputs(name, T)
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    if name == "sdpa":
+        qh, kh, vh = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
+        return (lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)), leaves
+    fn = op_call(name, lib, cu_seqlens)
+    return (lambda: fn(**x)), leaves
 
 
 def warm_fwd_bwd_step(op: str, T: int, varlen: bool = False, lib: str = "ours") -> Callable[[], None]:

@@ -1,6 +1,6 @@
 """The scripts' host sides and smoke modes: the user benchmarks (scripts/bench_ops.py: tables
-and plot from stored rows, the byte/FLOP counts of every benchmarked op; scripts/bench_cp.py)
-and the maintainer tools (scripts/tools/).
+and plot from stored rows, the byte/FLOP counts of every benchmarked op, the accuracy pass's
+rows on CPU stand-ins; scripts/bench_cp.py) and the maintainer tools (scripts/tools/).
 
 Each is imported as its documented command runs it: a user benchmark as the file
 `python scripts/<name>.py` runs, with scripts/ on the path (it imports scripts/benchlib.py as
@@ -20,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,21 +84,104 @@ def bench_ops():
 
 
 def test_render_stored_rows(bench_ops, tmp_path, monkeypatch):
-    """--render rebuilds the table (ratios against FLA of the same shape) and the plot from a
-    results.json and from the JSON lines of a run cut short."""
+    """--render rebuilds the tables (speed ratios against FLA of the same shape; the accuracy
+    table, its error rows and the varlen case's documents) and the plot from a results.json and
+    from the JSON lines of a run cut short."""
     stored = json.loads((ROOT / "benchmarks" / "h100_0a8286b" / "bench_ops_0a8286b.json").read_text())
     row = dict(op="kda_gate_init", lib="ours", T=32768, varlen=False, fwd_ms=3.0, fwd_bwd_ms=8.0, peak_mib=1.0,
                tokens_per_s=4e6, fwd_bwd_TFLOPs=30.0, fwd_bwd_GBps=300.0)
     fla = dict(row, lib="fla", fwd_bwd_ms=12.0)
-    (tmp_path / "cut.log").write_text("starting\n" + "\n".join(json.dumps(r) for r in (row, fla)) + "\n")
+    stored["accuracy"] = [
+        dict(op="gla", T=1000, varlen=False, tensor="o", ours_err=2e-3, fla_err=4e-3, ratio=0.5),
+        dict(op="kda_gate", T=1000, varlen=True, doc_lengths=[301, 21, 251, 427], tensor="dA_log", ours_err=1e-3,
+             fla_err=0.0, ratio=None),
+        dict(op="kda_gva", T=1000, varlen=False, tensor=None, error="RuntimeError: out of memory"),
+    ]
+    cut = dict(op="kda", T=1000, varlen=False, tensor="dbeta", ours_err=3e-3, fla_err=2e-3, ratio=1.5)
+    (tmp_path / "cut.log").write_text("starting\n" + "\n".join(json.dumps(r) for r in (row, fla, cut)) + "\n")
     (tmp_path / "results.json").write_text(json.dumps(stored))
     monkeypatch.setattr(sys, "argv", ["bench_ops.py", "--render", str(tmp_path / "results.json"),
                                       str(tmp_path / "cut.log"), "--out", str(tmp_path / "out")])
     bench_ops.main()
     table = (tmp_path / "out" / "results.md").read_text()
-    assert "| kda_gate_init | ours | 32768 | 3.000 | 8.000 | 1.50x |" in table
-    assert table.count("\n| ") == len(stored["rows"]) + 3  # header, rule, stored rows, two new rows
+    speed, accuracy = table.split("Accuracy against the fp32 reference, same bf16 inputs: RMS relative error, ours/FLA")
+    assert "| kda_gate_init | ours | 32768 | 3.000 | 8.000 | 1.50x |" in speed
+    assert speed.count("\n| ") == len(stored["rows"]) + 3  # header, rule, stored rows, two new rows
+    assert "1000 varlen: documents of 301, 21, 251, 427 tokens." in accuracy
+    assert accuracy.count("\n| ") == 1 + 4  # header, three stored rows, one from the log
+    for line in ("| gla | 1000 | o | 2.00e-03 | 4.00e-03 | 0.50 |",
+                 "| kda_gate | 1000 varlen | dA_log | 1.00e-03 | 0.00e+00 |  |",  # no ratio where FLA's error is 0
+                 "| kda_gva | 1000 | error: RuntimeError: out of memory | | | |",
+                 "| kda | 1000 | dbeta | 3.00e-03 | 2.00e-03 | 1.50 |"):
+        assert line in accuracy, accuracy
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
+
+
+def _small_inputs(name: str, T: int) -> dict:
+    """`op_inputs` of op `name` at H = 2, K = V = 8 on the CPU."""
+    gen = torch.Generator().manual_seed(0)
+    x = dict(q=torch.randn(1, T, 2, 8, generator=gen), k=F.normalize(torch.randn(1, T, 2, 8, generator=gen), dim=-1),
+             v=torch.randn(1, T, 2, 8, generator=gen), g=F.logsigmoid(torch.randn(1, T, 2, 8, generator=gen)),
+             beta=torch.rand(1, T, 2, generator=gen))
+    x = {n: t.bfloat16() for n, t in x.items()}
+    if name.startswith("kda_gate"):
+        x.update(A_log=torch.randn(2, generator=gen), dt_bias=torch.randn(16, generator=gen))
+    return x
+
+
+@pytest.mark.parametrize("name, varlen", [("gla", False), ("fused_gla", False), ("kda", True), ("kda_gate", True)])
+def test_accuracy_rows_compare_ours_and_fla_with_the_reference(bench_ops, monkeypatch, name, varlen):
+    """accuracy_rows gives, for the output and every gradient of the op, ours' and FLA's RMS error
+    against the fp32 reference and their ratio (here ours is the reference run on the bf16 inputs,
+    FLA's that output 5% too large; fused_gla is compared with FLA's chunk_gla)."""
+    calls = []
+
+    def op_call(op, lib, cu_seqlens):
+        calls.append((op, lib))
+        reference = bench_ops.reference_call(op, cu_seqlens)
+        return reference if lib == "ours" else (lambda **x: 1.05 * reference(**x))
+
+    monkeypatch.setattr(bench_ops, "op_inputs", _small_inputs)
+    monkeypatch.setattr(bench_ops, "op_call", op_call)
+    lengths = bench_ops.accuracy_doc_lengths(40)
+    cu = torch.tensor([0] + lengths).cumsum(0) if varlen else None
+    rows = bench_ops.accuracy_rows(name, 40, cu)
+    assert calls == [(name, "ours"), (name.replace("fused_", ""), "fla")]
+    tensors = ["o", "dq", "dk", "dv", "dg"] + (["dbeta"] if name.startswith("kda") else []) + (
+        ["dA_log", "ddt_bias"] if name == "kda_gate" else [])
+    assert [r["tensor"] for r in rows] == tensors
+    for r in rows:
+        assert (r["op"], r["T"], r["varlen"], r.get("doc_lengths")) == (name, 40, varlen, lengths if varlen else None)
+        assert r["ours_err"] < 5e-3 and 0.02 < r["fla_err"] < 0.1, r
+        assert r["ratio"] == pytest.approx(r["ours_err"] / r["fla_err"]) and r["ratio"] < 0.2
+
+
+def test_accuracy_pass_covers_every_benchmarked_op_and_reports_failures(bench_ops, monkeypatch):
+    """The accuracy pass takes each of our ops of the groups, dense and packed (fused_gla dense
+    only; sdpa has none), and an op that fails gives an error row and the pass goes on."""
+    def accuracy_rows(name, T, cu_seqlens):
+        if name == "kda" and cu_seqlens is not None:
+            raise RuntimeError("boom")
+        return [dict(op=name, T=T, varlen=cu_seqlens is not None, tensor="o")]
+
+    monkeypatch.setattr(bench_ops, "accuracy_rows", accuracy_rows)
+    lists = list(bench_ops.accuracy_pass(list(bench_ops.CASES), 1000, True, device="cpu"))
+    assert [(r["op"], r["varlen"]) for new in lists for r in new] == [
+        ("gla", False), ("fused_gla", False), ("gla", True), ("kda", False), ("kda", True), ("kda_gva", False),
+        ("kda_gva", True), ("kda_gate", False), ("kda_gate", True), ("kda_gate_init", False), ("kda_gate_init", True)]
+    assert lists[4] == [dict(op="kda", T=1000, varlen=True, tensor=None, error="RuntimeError: boom")]
+    assert [r["varlen"] for new in bench_ops.accuracy_pass(["gla"], 1000, False, device="cpu") for r in new] == [False] * 2
+
+
+def test_accuracy_documents():
+    """The accuracy pass's packed batch: several documents, none of a length that is a multiple
+    of 64, exactly the requested tokens."""
+    from scripts.benchlib import accuracy_doc_lengths
+
+    assert accuracy_doc_lengths(1000) == [301, 21, 251, 427]
+    for total in range(16, 5000):
+        lengths = accuracy_doc_lengths(total)
+        assert sum(lengths) == total and len(lengths) >= 4 and all(n > 0 and n % 64 for n in lengths), (total, lengths)
 
 
 @pytest.mark.parametrize("group", ["gla", "kda", "kda_gva", "kda_gate", "kda_gate_init", "sdpa"])
