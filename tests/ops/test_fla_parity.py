@@ -21,6 +21,18 @@ from tests.utils import kda_inputs, rms_rel_err, run_with_grads
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def one_config_per_fla_kernel(monkeypatch):
+    """FLA's autotuned kernels run one configuration each (the fewest pipeline stages) instead of
+    benchmarking every one: an accuracy comparison needs a valid configuration, not the fastest,
+    and autotuning each of FLA's kernels at every shape of these cases takes minutes."""
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+    monkeypatch.setattr(Autotuner, "prune_configs",
+                        lambda self, kwargs: [min(prune(self, kwargs), key=lambda c: c.num_stages)])
+
 RATIO, ABSOLUTE = 1.5, 1e-2
 # 16 value heads at K = V = 128, as the Triton cache of FLA's tuned kernels (/work/shared/facts.md)
 T, HV, K = 700, 16, 128
