@@ -18,6 +18,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cp_linattn.cp.context import COMM_MODES, LAYOUTS
+from cp_linattn.layers.gla import load_chunk_gla
+from cp_linattn.layers.kda import load_chunk_kda
 from cp_linattn.models.lm import LMConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -31,8 +33,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # degree (world size / cp.degree) fixes how many batches a step takes, so it must not change:
 # `resume_mismatches` checks it beside the config. Anything else changes the math of the
 # steps to come or the meaning of those done, and a resume with it is refused.
+# model.ops only picks whose kernels (ours or FLA's) compute the same math on the same parameters.
 RESUME_MAY_CHANGE = ("trainer.steps", "trainer.log_every", "trainer.ckpt_every", "trainer.resume",
-                     "cp.degree", "cp.comm", "cp.layout", "backend", "run_dir", "check.tol")
+                     "cp.degree", "cp.comm", "cp.layout", "backend", "run_dir", "check.tol", "model.ops")
 
 
 class ConfigError(ValueError):
@@ -106,7 +109,11 @@ class TextConfig:
 class TrainConfig:
     """The root of configs/train.yaml (launch.train and launch.check_cp)."""
 
-    model: LMConfig = MISSING  # model=kda | gla | hybrid: cp_linattn.models.LMConfig, documented there
+    # model=kda | gla | hybrid: cp_linattn.models.LMConfig, documented there. model.ops: ours | fla,
+    # whose chunk_kda / chunk_gla the linear-attention layers call (default ours; hybrid: its
+    # softmax attention is ours either way): fla is FLA 0.6.0's, with the same arguments, for
+    # benchmarks against it; it needs cp.degree=1 and FLA 0.6.0 installed.
+    model: LMConfig = MISSING
     data: Any = MISSING  # data=mqar | text: MQARConfig or TextConfig
     seed: int = MISSING  # model init and data; a batch is a function of (seed, dp rank, step)
     backend: str = MISSING  # auto (nccl on CUDA, else gloo) | nccl | gloo
@@ -176,6 +183,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(e)) from e
     _check(model.vocab_size >= cfg.data.vocab_size,
            f"model.vocab_size={model.vocab_size} must be >= data.vocab_size={cfg.data.vocab_size}")
+    if model.ops == "fla":
+        _check(cfg.cp.degree == 1, f"model.ops=fla needs cp.degree=1 (FLA's kernels do not take our CP context), "
+                                   f"got cp.degree={cfg.cp.degree}")
+        linear = model.linear if model.type == "hybrid" else model.type
+        try:
+            (load_chunk_kda if linear == "kda" else load_chunk_gla)("fla")
+        except ImportError as e:
+            raise ConfigError(f"model.ops=fla: {e}") from e
     build_data_source(cfg)  # the data source's own checks (ranges, data.path exists)
 
 

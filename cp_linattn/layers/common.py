@@ -1,6 +1,7 @@
-"""Argument handling shared by the attention layers."""
+"""Argument handling shared by the attention layers, and the choice of whose op they call."""
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +11,9 @@ from cp_linattn.cp.guard import checked_call
 
 if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
+
+OPS = ("ours", "fla")  # whose op a linear-attention layer calls: cp_linattn's, or FLA 0.6.0's
+FLA_VERSION = "0.6.0"  # the FLA our ops are keyword-compatible with
 
 
 def local_cu_seqlens(
@@ -26,3 +30,19 @@ def local_cu_seqlens(
 
     return checked_call(layer, cp_context, check, lambda _: {
         "cp_context (the global batch)": cp_context.batch_signature, "x.dtype": x.dtype, "D (x.shape[2])": x.shape[2]})
+
+
+def import_fla_op(module: str, name: str):
+    """`name` of FLA's `module` (`fla.ops.kda`, `fla.ops.gla`), imported now. ImportError
+    saying FLA 0.6.0 must be installed (and how) if it is missing or another version: its
+    chunk_kda swallows unknown keywords, so only 0.6.0's keywords are known to mean ours."""
+    need = f"FLA {FLA_VERSION} must be installed: pip install flash-linear-attention=={FLA_VERSION}"
+    try:
+        import fla
+        op = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"{need} ({e})") from e
+    version = getattr(fla, "__version__", None)
+    if version != FLA_VERSION:
+        raise ImportError(f"{need} (found fla {version})")
+    return op

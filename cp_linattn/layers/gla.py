@@ -7,12 +7,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_linattn.layers.common import local_cu_seqlens
+from cp_linattn.layers.common import OPS, import_fla_op, local_cu_seqlens
 from cp_linattn.layers.norm import GatedRMSNorm
 from cp_linattn.ops.gla.chunk import chunk_gla
 
 if TYPE_CHECKING:
     from cp_linattn.cp.context import FLACPContext
+
+
+def load_chunk_gla(ops: str):
+    """The `chunk_gla` of `ops` (OPS): "ours" (cp_linattn's) or "fla" (FLA 0.6.0's
+    `fla.ops.gla.chunk_gla`, `import_fla_op`). Both take the same keywords but `cp_context`,
+    which only ours has."""
+    if ops not in OPS:
+        raise ValueError(f"ops must be one of {list(OPS)}, got {ops!r}")
+    return chunk_gla if ops == "ours" else import_fla_op("fla.ops.gla", "chunk_gla")
 
 
 class GatedLinearAttention(nn.Module):
@@ -21,6 +30,9 @@ class GatedLinearAttention(nn.Module):
 
     The forget gate is `logsigmoid(W2 W1 x + b) / gate_normalizer`: the normaliser keeps the
     decay close to 1 at initialisation so information survives over long spans.
+
+    `ops="fla"` calls FLA 0.6.0's `chunk_gla` with the same arguments instead of ours (a
+    baseline for benchmarks; no CP context).
     """
 
     def __init__(
@@ -32,8 +44,10 @@ class GatedLinearAttention(nn.Module):
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
         norm_eps: float = 1e-5,
+        ops: str = "ours",
     ) -> None:
         super().__init__()
+        self.ops, self.chunk_gla = ops, load_chunk_gla(ops)
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_k_dim", head_k_dim),
                             ("head_v_dim", head_v_dim), ("gate_low_rank_dim", gate_low_rank_dim)):
             if not isinstance(value, int) or value < 1:
@@ -58,6 +72,9 @@ class GatedLinearAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
         (cu_seqlens None or the global offsets). Returns x's shape."""
+        if cp_context is not None and self.ops != "ours":  # every rank's layer has the same ops
+            raise ValueError(f"GatedLinearAttention(ops={self.ops!r}) does not take a cp_context: FLA's kernels "
+                             "run without our context parallelism (use ops='ours')")
         local_cu_seqlens("GatedLinearAttention", x, cu_seqlens, cp_context)  # a bad call fails before any work
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
@@ -65,6 +82,8 @@ class GatedLinearAttention(nn.Module):
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
         g = (F.logsigmoid(self.gk_proj(x).float()) / self.gate_normalizer).view(B, T, H, K)
-        o, _ = chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens, cp_context=cp_context)
+        # cp_context only under CP: FLA's chunk_gla has no such keyword (ops="fla" never gets one)
+        cp = {} if cp_context is None else {"cp_context": cp_context}
+        o, _ = self.chunk_gla(q, k, v, g, cu_seqlens=cu_seqlens, **cp)
         o = self.o_norm(o, self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from cp_linattn.layers.common import OPS, import_fla_op
 from cp_linattn.layers.conv import ShortConvolution
 from cp_linattn.layers.norm import GatedRMSNorm
 from cp_linattn.ops.kda.chunk import chunk_kda
@@ -24,11 +25,22 @@ def init_gate_parameters(n_v_heads: int, head_k_dim: int) -> tuple[torch.Tensor,
     return A_log, dt + torch.log(-torch.expm1(-dt))
 
 
+def load_chunk_kda(ops: str):
+    """The `chunk_kda` of `ops` (OPS): "ours" (cp_linattn's) or "fla" (FLA 0.6.0's
+    `fla.ops.kda.chunk_kda`, `import_fla_op`). Both take the same keywords; FLA's runs
+    without our CP context."""
+    if ops not in OPS:
+        raise ValueError(f"ops must be one of {list(OPS)}, got {ops!r}")
+    return chunk_kda if ops == "ours" else import_fla_op("fla.ops.kda", "chunk_kda")
+
+
 class KimiDeltaAttention(nn.Module):
     """q/k/v projections through a short causal conv + SiLU, a low-rank per-channel forget
     gate applied in the kernel (`-exp(A_log) * softplus(f + dt_bias)`), `beta = sigmoid(b x)`,
     chunked KDA with L2-normalised q/k, a per-head RMSNorm gated by sigmoid of a low-rank
     output gate, and the output projection. `n_v_heads > n_heads` gives grouped value heads.
+    `ops="fla"` calls FLA 0.6.0's `chunk_kda` with the same arguments instead of ours (a
+    baseline for benchmarks; no CP context).
     """
 
     def __init__(
@@ -40,8 +52,10 @@ class KimiDeltaAttention(nn.Module):
         n_v_heads: int | None = None,
         conv_size: int = 4,
         norm_eps: float = 1e-5,
+        ops: str = "ours",
     ) -> None:
         super().__init__()
+        self.ops, self.chunk_kda = ops, load_chunk_kda(ops)
         n_v_heads = n_heads if n_v_heads is None else n_v_heads
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_k_dim", head_k_dim),
                             ("head_v_dim", head_v_dim), ("n_v_heads", n_v_heads), ("conv_size", conv_size)):
@@ -74,11 +88,14 @@ class KimiDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
         (cu_seqlens None or the global offsets). Returns x's shape."""
+        if cp_context is not None and self.ops != "ours":
+            raise ValueError(f"KimiDeltaAttention(ops={self.ops!r}) does not take a cp_context: FLA's kernels "
+                             "run without our context parallelism (use ops='ours')")
         B, T, _ = x.shape
         H, HV, K, V = self.n_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), cu_seqlens, cp_context)
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
-        o, _ = chunk_kda(
+        o, _ = self.chunk_kda(
             q.reshape(B, T, H, K),
             k.reshape(B, T, H, K),
             v.reshape(B, T, HV, V),

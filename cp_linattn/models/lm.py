@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from cp_linattn.layers.attention import SoftmaxAttention
 from cp_linattn.layers.gla import GatedLinearAttention
+from cp_linattn.layers.common import OPS
 from cp_linattn.layers.kda import KimiDeltaAttention
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class LMConfig:
     attn_every: int = 4  # hybrid: block i is softmax attention iff (i + 1) % attn_every == 0 (4: 3 linear, 1 softmax)
     n_kv_heads: int | None = None  # hybrid: key/value heads of the softmax layers (GQA), divides n_heads; None: n_heads
     rope_theta: float | None = 10000.0  # hybrid: RoPE base of the softmax layers, positions per document; None: no RoPE
+    ops: str = "ours"  # GLA/KDA layers' op: "ours" | "fla" (FLA 0.6.0's, same arguments, no CP); softmax is ours
 
     def __post_init__(self) -> None:
         if self.type not in MODEL_TYPES:
@@ -50,6 +52,8 @@ class LMConfig:
             raise ValueError(f"model.mlp_ratio must be positive, got {self.mlp_ratio!r}")
         if self.linear not in LINEAR_TYPES:
             raise ValueError(f"model.linear must be one of {list(LINEAR_TYPES)}, got {self.linear!r}")
+        if self.ops not in OPS:
+            raise ValueError(f"model.ops must be one of {list(OPS)}, got {self.ops!r}")
         if self.n_kv_heads is not None:
             _check_positive_int("model.n_kv_heads", self.n_kv_heads)
             if self.n_heads % self.n_kv_heads:
@@ -91,7 +95,7 @@ def make_mixer(cfg: LMConfig, kind: str) -> nn.Module:
         return SoftmaxAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_k_dim,
                                 head_v_dim=cfg.head_v_dim, rope_theta=cfg.rope_theta)
     dims = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, head_k_dim=cfg.head_k_dim,
-                head_v_dim=cfg.head_v_dim, norm_eps=cfg.norm_eps)
+                head_v_dim=cfg.head_v_dim, norm_eps=cfg.norm_eps, ops=cfg.ops)
     return GatedLinearAttention(**dims) if kind == "gla" else KimiDeltaAttention(**dims)
 
 

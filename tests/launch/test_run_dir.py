@@ -53,7 +53,7 @@ def test_a_run_says_where_it_writes(finished):
     run_dir, out = finished
     assert f"run_dir {run_dir}: metrics {run_dir}/metrics.jsonl, plot {run_dir}/loss.png, checkpoints " \
            f"{run_dir}/checkpoints (every 1 steps and the last)" in out
-    assert f"done: steps 1..2 in" in out and f"checkpoint {run_dir}/checkpoints/step_000002" in out
+    assert "done: steps 1..2 in" in out and f"checkpoint {run_dir}/checkpoints/step_000002" in out
     assert (run_dir / "loss.png").stat().st_size > 0
     meta = OmegaConf.load(run_dir / "checkpoints" / "step_000002" / "run.yaml")
     assert meta.step == 2 and meta.dp_degree == 1 and meta.config.trainer.steps == 2
