@@ -559,6 +559,11 @@ def fused_chunk_gla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated Linear Attention, fused chunked kernels (forward and backward).
 
+    Not the recommended path for training: `chunk_gla` computes the same (to rounding) and
+    its forward+backward is faster; this op's backward is a sequential walk per segment,
+    bound by each program's work (BENCHMARKS.md, "Profile and roofline"). Its forward alone
+    is faster than FLA's chunk_gla. Kept for FLA's `fused_chunk_gla` API, without varlen or CP.
+
     The default layout is head-first, `[B, H, T, K]` (`head_first=True`, kept for API
     compatibility), unlike every other op here: pass `head_first=False` for `[B, T, H, K]`
     tensors. The shapes of q, k, v, g alone cannot tell the layouts apart, so tensors in the
