@@ -9,6 +9,8 @@ kernels, and the values in use are visible in one place; they are the ones tuned
 `BK`/`BV` are upper bounds (`BC`: chunks per program): a launcher uses
 `min(cap, next_power_of_2(head dim))`, never below 16 (tl.dot needs it). The Triton
 interpreter ignores warps and stages, so the CPU tests run the same tiles as the GPU.
+Every kernel is launched through `launch_kernel`, which applies the entry and steps the stages
+down where the device's shared memory cannot hold them (large head dims).
 """
 from __future__ import annotations
 
