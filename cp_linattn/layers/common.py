@@ -46,3 +46,11 @@ def import_fla_op(module: str, name: str):
     if version != FLA_VERSION:
         raise ImportError(f"{need} (found fla {version})")
     return op
+
+
+def check_ops_takes_context(layer: str, ops: str, cp_context: FLACPContext | None) -> None:
+    """ValueError when a layer built with FLA's ops is called under CP: FLA's kernels run without
+    our context (every rank's layer has the same ops, so every rank raises)."""
+    if cp_context is not None and ops != "ours":
+        raise ValueError(f"{layer}(ops={ops!r}) does not take a cp_context: FLA's kernels run without our "
+                         "context parallelism (use ops='ours')")

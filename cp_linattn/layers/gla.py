@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_linattn.layers.common import OPS, import_fla_op, local_cu_seqlens
+from cp_linattn.layers.common import OPS, check_ops_takes_context, import_fla_op, local_cu_seqlens
 from cp_linattn.layers.norm import GatedRMSNorm
 from cp_linattn.ops.gla.chunk import chunk_gla
 
@@ -72,9 +72,7 @@ class GatedLinearAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
         (cu_seqlens None or the global offsets). Returns x's shape."""
-        if cp_context is not None and self.ops != "ours":  # every rank's layer has the same ops
-            raise ValueError(f"GatedLinearAttention(ops={self.ops!r}) does not take a cp_context: FLA's kernels "
-                             "run without our context parallelism (use ops='ours')")
+        check_ops_takes_context("GatedLinearAttention", self.ops, cp_context)
         local_cu_seqlens("GatedLinearAttention", x, cu_seqlens, cp_context)  # a bad call fails before any work
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from cp_linattn.layers.common import OPS, import_fla_op
+from cp_linattn.layers.common import OPS, check_ops_takes_context, import_fla_op
 from cp_linattn.layers.conv import ShortConvolution
 from cp_linattn.layers.norm import GatedRMSNorm
 from cp_linattn.ops.kda.chunk import chunk_kda
@@ -88,9 +88,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         """x: `[1, T, D]` packed tokens with cu_seqlens `[N + 1]`; under CP this rank's shard
         (cu_seqlens None or the global offsets). Returns x's shape."""
-        if cp_context is not None and self.ops != "ours":
-            raise ValueError(f"KimiDeltaAttention(ops={self.ops!r}) does not take a cp_context: FLA's kernels "
-                             "run without our context parallelism (use ops='ours')")
+        check_ops_takes_context("KimiDeltaAttention", self.ops, cp_context)
         B, T, _ = x.shape
         H, HV, K, V = self.n_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), cu_seqlens, cp_context)
