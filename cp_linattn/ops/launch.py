@@ -91,7 +91,7 @@ def launch_kernel(kernel, grid, launcher: str, *args, **meta) -> None:
     per configuration, on the first call). If one stage does not fit either, the
     OutOfResources names the launcher and its entry.
     """
-    options = launch_options(launcher)
+    options = {"num_stages": 3, **launch_options(launcher)}  # 3: Triton's default, where an entry has none
     key = None
     if _FITTED_STAGES:  # some configuration did not fit: look this one up (none did: no cost)
         key = _fitting_key(launcher, meta)
