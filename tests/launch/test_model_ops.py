@@ -64,8 +64,8 @@ def test_fla_with_cp_degree_1_is_accepted(model, monkeypatch):
 
 
 def test_resume_may_switch_ops(monkeypatch):
-    """Same parameters, same math: a run may resume with the other ops (checkpoints from before
-    model.ops existed too)."""
+    """Same parameters, same math: a run may resume with the other ops (checkpoints without a
+    model.ops entry too)."""
     install_fake_fla(monkeypatch)
     assert "model.ops" in RESUME_MAY_CHANGE
     saved = OmegaConf.to_container(load_config(["cp.degree=1"]), resolve=True)

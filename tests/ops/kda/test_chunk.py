@@ -1,8 +1,8 @@
 """chunk_kda against the fp32 token-by-token reference: outputs, final states, every gradient.
 
 CPU runs use the Triton interpreter in fp32 (and once fp16) with small shapes (it is slow);
-lengths are never multiples of the chunk size (64, or 32 where chunk_size=32 is tested). GPU tests (bf16, long sequences) are
-marked gpu. The delta-rule state walk KDA runs (cp_linattn/ops/common/chunk_delta_h.py) is
+lengths are never multiples of the chunk size (64, or 32 where chunk_size=32 is tested). GPU
+tests (bf16, long sequences) are marked gpu. The delta-rule state walk KDA runs (cp_linattn/ops/common/chunk_delta_h.py) is
 tested in tests/ops/common/test_chunk_delta_h.py.
 """
 from __future__ import annotations
@@ -432,7 +432,7 @@ def test_gpu_bf16_long(T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [
-    # the configuration that once asked 311296 bytes of shared memory on an H100
+    # the largest shared-memory ask: varlen, safe gate, stored intermediates
     dict(gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, disable_recompute=True),
     dict(gate_in_kernel=True, l2=True, state_v_first=True),
     dict(l2=True, chunk_size=32),
